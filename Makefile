@@ -1,0 +1,46 @@
+# bertpipe: `make demo` runs the whole flow on CPU, `make test` runs the test suite.
+# Both install what they need into .venv first (a fresh machine needs only Python 3.10+).
+#
+# GPU users: install your CUDA build of torch first, e.g.
+#   make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+
+export DS_ACCELERATOR ?= cpu
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export TOKENIZERS_PARALLELISM ?= false
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: install demo test test-fast lint bench clean
+
+install: $(VENV)/.installed
+
+# torch goes in first: an unpinned torch (or deepspeed installed first) pulls a CUDA build
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet --constraint constraints.txt --editable ".[dev]"
+	touch $@
+
+demo: install
+	$(BIN)/bertpipe demo --out runs/demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest
+
+test-fast: install
+	$(BIN)/pytest -m "not integration and not slow"
+
+bench: install
+	$(BIN)/bertpipe bench preprocess
+
+clean:
+	rm -rf runs .cache .pytest_cache .ruff_cache

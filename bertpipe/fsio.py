@@ -1,0 +1,151 @@
+"""fsspec helpers shared by every stage: URLs, globs, atomic writes.
+
+Everything that touches storage goes through fsspec, so a local path, ``memory://``,
+``s3://`` or ``gs://`` behave the same (the cloud ones need their fsspec backend installed:
+``s3fs``, ``gcsfs``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from typing import IO, Any
+
+import fsspec
+from fsspec.core import OpenFile
+
+from bertpipe.errors import BertpipeError
+
+__all__ = [
+    "NoMatchError",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "atomic_writer",
+    "exists",
+    "expand_urls",
+    "join",
+    "list_files",
+    "open_url",
+    "remove",
+    "to_fs",
+]
+
+
+class NoMatchError(BertpipeError, FileNotFoundError):
+    """A path or glob matched no file."""
+
+
+def to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem for ``url`` and the path inside it."""
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path
+
+
+def open_url(url: str, mode: str = "rb", compression: str | None = None, **kwargs: Any) -> OpenFile:
+    """``fsspec.open`` with an explicit compression (``"infer"`` reads it off the extension)."""
+    return fsspec.open(url, mode, compression=compression, **kwargs)
+
+
+def join(base: str, *parts: str) -> str:
+    """Join URL/path parts with ``/`` (works for ``s3://b/x`` and local paths alike)."""
+    out = base.rstrip("/")
+    for part in parts:
+        out = posixpath.join(out, part.strip("/"))
+    return out
+
+
+def exists(url: str) -> bool:
+    fs, path = to_fs(url)
+    return bool(fs.exists(path))
+
+
+def list_files(url: str, suffix: str = "") -> list[str]:
+    """Files directly inside folder ``url`` whose names end with ``suffix``, sorted, as URLs."""
+    fs, path = to_fs(url)
+    if not fs.exists(path):
+        return []
+    names = [p for p in fs.ls(path, detail=False) if p.endswith(suffix) and fs.isfile(p)]
+    return sorted(_unstrip(fs, url, p) for p in names)
+
+
+def expand_urls(patterns: Sequence[str] | str) -> list[str]:
+    """Expand paths, folders (recursively) and globs into a sorted, de-duplicated file list.
+
+    Raises :class:`NoMatchError` naming the first pattern that matches no file.
+    """
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    found: dict[str, None] = {}
+    for pattern in patterns:
+        fs, path = to_fs(pattern)
+        if any(ch in path for ch in "*?["):
+            matches = [p for p in fs.glob(path) if fs.isfile(p)]
+        elif fs.isdir(path):
+            matches = [p for p in fs.find(path) if not posixpath.basename(p).startswith(".")]
+        elif fs.exists(path):
+            matches = [path]
+        else:
+            matches = []
+        if not matches:
+            raise NoMatchError(f"input {pattern} matches no file: check the path or glob")
+        for p in sorted(matches):
+            found[_unstrip(fs, pattern, p)] = None
+    return list(found)
+
+
+@contextlib.contextmanager
+def atomic_writer(url: str) -> Iterator[IO[bytes]]:
+    """A binary file to write ``url`` through, published only when the block exits cleanly.
+
+    Local files are written under a temporary name in the same folder and renamed into
+    place; object stores publish an object only when its upload completes, so they are
+    written directly. Readers never see a partial file; on error nothing is published.
+    """
+    fs, path = to_fs(url)
+    parent = posixpath.dirname(path)
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    if not _is_local(fs):
+        with fs.open(path, "wb") as f:
+            yield f
+        return
+    tmp = posixpath.join(parent, f".{posixpath.basename(path)}.tmp-{uuid.uuid4().hex}")
+    try:
+        with fs.open(tmp, "wb") as f:
+            yield f
+        fs.mv(tmp, path)
+    finally:
+        if fs.exists(tmp):
+            fs.rm(tmp)
+
+
+def atomic_write_bytes(url: str, data: bytes) -> None:
+    """Write ``data`` to ``url`` so that readers never see a partial file."""
+    with atomic_writer(url) as f:
+        f.write(data)
+
+
+def atomic_write_text(url: str, text: str) -> None:
+    atomic_write_bytes(url, text.encode("utf-8"))
+
+
+def remove(urls: Iterable[str], recursive: bool = False) -> None:
+    """Delete files (or folders, with ``recursive``) that exist; missing ones are ignored."""
+    for url in urls:
+        fs, path = to_fs(url)
+        if fs.exists(path):
+            fs.rm(path, recursive=recursive)
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return protocol in ("file", "local")
+
+
+def _unstrip(fs: fsspec.AbstractFileSystem, original: str, path: str) -> str:
+    """Give ``path`` back the protocol ``original`` was written with (none for local paths)."""
+    if "://" not in original:
+        return path
+    return str(fs.unstrip_protocol(path))

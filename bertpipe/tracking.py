@@ -1,0 +1,186 @@
+"""MLflow helpers: one experiment per project, one run per stage, lineage tags.
+
+Only rank 0 of a distributed job may call these (a sqlite store takes one writer). The
+tracking URI is always set explicitly: MLflow's own default depends on the working
+directory, and so does its default artifact location for a sqlite store, so a relative
+``sqlite:///`` path is made absolute and new experiments get an explicit artifact folder
+beside the database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from bertpipe.config import ConfigError, flatten, to_dict, to_yaml
+
+if TYPE_CHECKING:
+    import mlflow
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "STAGES",
+    "TAG_DATA_CHECKSUM",
+    "TAG_PARENT",
+    "TAG_STAGE",
+    "TrackingConfig",
+    "start_run",
+]
+
+TAG_STAGE = "bertpipe.stage"
+TAG_PARENT = "bertpipe.parent_run_id"
+TAG_DATA_CHECKSUM = "bertpipe.data_manifest_sha256"
+STAGES = ("tokenizer", "preprocess", "pretrain", "finetune", "sweep")
+DEFAULT_URI = "sqlite:///runs/mlflow.db"
+
+
+@dataclasses.dataclass
+class TrackingConfig:
+    """Where and whether runs are logged to MLflow."""
+
+    enabled: bool = True
+    """Log this stage to MLflow."""
+    uri: str | None = None
+    """Tracking URI (``sqlite:///path.db``, ``http://host:5000``, ``file:///dir``).
+    Null means $MLFLOW_TRACKING_URI, else ``sqlite:///runs/mlflow.db`` in the working
+    directory. Relative sqlite paths are made absolute."""
+    experiment: str = "bertpipe"
+    """Experiment name: one per project."""
+    artifact_location: str | None = None
+    """Artifact root for a new experiment. Null: an ``mlartifacts`` folder beside a sqlite
+    database, the server's default for a server."""
+    run_name: str | None = None
+    """Name of the run; null lets the stage choose one."""
+    tags: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Extra tags set on the run."""
+
+    def __post_init__(self) -> None:
+        if not self.experiment.strip():
+            raise ConfigError("experiment", "must not be empty")
+
+    def resolved_uri(self) -> str:
+        """The tracking URI to use, absolute for sqlite and local folders."""
+        uri = self.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            path = uri[len("sqlite:///") :]
+            uri = "sqlite:///" + os.path.abspath(path)
+        elif "://" not in uri:
+            uri = "file://" + os.path.abspath(uri)
+        return uri
+
+    def resolved_artifact_location(self) -> str | None:
+        if self.artifact_location:
+            loc = self.artifact_location
+            return loc if "://" in loc else "file://" + os.path.abspath(loc)
+        uri = self.resolved_uri()
+        if uri.startswith("sqlite:///"):
+            db_dir = os.path.dirname(uri[len("sqlite://") :])
+            return "file://" + os.path.join(db_dir, "mlartifacts")
+        return None
+
+
+def connect(cfg: TrackingConfig) -> str:
+    """Point MLflow at ``cfg``'s store and return the experiment id (created if missing)."""
+    import mlflow
+
+    uri = cfg.resolved_uri()
+    if uri.startswith("sqlite:///"):
+        os.makedirs(os.path.dirname(uri[len("sqlite://") :]), exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    exp = mlflow.get_experiment_by_name(cfg.experiment)
+    if exp is not None:
+        return str(exp.experiment_id)
+    try:
+        return str(
+            mlflow.create_experiment(
+                cfg.experiment, artifact_location=cfg.resolved_artifact_location()
+            )
+        )
+    except Exception:  # another process created it first
+        exp = mlflow.get_experiment_by_name(cfg.experiment)
+        if exp is None:
+            raise
+        return str(exp.experiment_id)
+
+
+@contextlib.contextmanager
+def start_run(
+    cfg: TrackingConfig,
+    stage: str,
+    *,
+    config: Any = None,
+    run_name: str | None = None,
+    tags: Mapping[str, str] | None = None,
+    parent_run_id: str | None = None,
+    resume_run_id: str | None = None,
+    nested: bool = False,
+) -> Iterator[mlflow.ActiveRun | None]:
+    """Start (or resume) the run of a stage; yields None when tracking is disabled.
+
+    The resolved ``config`` (a dataclass) is logged as flattened params and as
+    ``config.yaml``. ``parent_run_id`` is recorded as the lineage tag and, for nested
+    runs, also as MLflow's own parent. The run ends FAILED if the body raises.
+    """
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}")
+    if not cfg.enabled:
+        yield None
+        return
+    import mlflow
+
+    experiment_id = connect(cfg)
+    all_tags = {TAG_STAGE: stage, **cfg.tags, **(tags or {})}
+    if parent_run_id:
+        all_tags[TAG_PARENT] = parent_run_id
+    if resume_run_id:
+        run = mlflow.start_run(run_id=resume_run_id)
+    else:
+        run = mlflow.start_run(
+            experiment_id=experiment_id,
+            run_name=run_name or cfg.run_name,
+            nested=nested,
+            parent_run_id=parent_run_id if nested else None,
+            tags=all_tags,
+        )
+    with run:
+        if resume_run_id:
+            mlflow.set_tags(all_tags)
+        elif config is not None:
+            log_config(config)
+        log.info("MLflow run %s (%s) in %s", run.info.run_id, stage, cfg.resolved_uri())
+        yield run
+
+
+def log_config(config: Any, name: str = "config.yaml") -> None:
+    """Log a dataclass config as params (dotted keys) and as a YAML artifact."""
+    import mlflow
+
+    params = {k: _param_value(v) for k, v in flatten(to_dict(config)).items()}
+    mlflow.log_params(params)
+    mlflow.log_text(to_yaml(config), name)
+
+
+def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
+    """Log numeric metrics, skipping non-finite and non-numeric values."""
+    import math
+
+    import mlflow
+
+    clean = {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(v))
+    }
+    if clean:
+        mlflow.log_metrics(clean, step=step, timestamp=int(time.time() * 1000))
+
+
+def _param_value(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 500 else text[:497] + "..."

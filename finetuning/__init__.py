@@ -1,0 +1,1 @@
+"""Fine-tuning: task heads on top of the pre-trained BERT encoder."""

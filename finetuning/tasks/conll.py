@@ -1,0 +1,363 @@
+"""CoNLL-2003 style named-entity data: reader, IOB1 -> IOB2, first-sub-token features,
+word-level alignment of predictions, entity-level scores (as conlleval / seqeval) and the
+three-column prediction file.
+
+Input: one token per line, ``word POS chunk NER`` (CoNLL-2003) or ``word label``; the label
+is the last column. Blank lines separate sentences; ``-DOCSTART-`` lines are skipped.
+
+Features from :func:`featurize_conll` (shared keys in :mod:`finetuning.tasks.base`), row i
+is sentence i:
+
+- ``input_ids`` int32 [N, S], ``token_type_ids`` int8 [N, S] (all 0), ``attention_mask``
+  int8 [N, S], ``lengths`` int32 [N]: ``[CLS] sub-tokens [SEP]``
+- ``labels`` int64 [N, S]: the word's label id on its FIRST sub-token, -100 on the other
+  sub-tokens, on ``[CLS]``/``[SEP]`` and on padding
+- ``word_ids`` int32 [N, S]: index of the word whose first sub-token sits there, else -1
+- ``truncated`` bool [N]: the sentence lost sub-tokens to ``max_seq_length``; words cut off
+  get no prediction and are scored as ``O``
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from finetuning.tasks.base import (
+    IGNORE_INDEX,
+    Features,
+    ReadReport,
+    TaskSpec,
+    encoded_features,
+    lines_of,
+    open_for_write,
+    pad_rows,
+    plain_tokenizer,
+    read_text,
+    special_ids,
+)
+
+__all__ = [
+    "Sentence",
+    "align_predictions",
+    "conll_labels",
+    "conll_spec",
+    "entities",
+    "entity_scores",
+    "featurize_conll",
+    "iob1_to_iob2",
+    "read_conll",
+    "write_conll_predictions",
+]
+
+logger = logging.getLogger(__name__)
+
+_LABEL = re.compile(r"^(O|[BIES]-\S+)$")
+_PREFIX_ORDER = ("B", "I", "E", "S")
+
+
+@dataclass(frozen=True)
+class Sentence:
+    """Words and their labels (IOB2 after reading); ``line`` is the first word's line."""
+
+    words: tuple[str, ...]
+    labels: tuple[str, ...]
+    line: int
+
+
+def iob1_to_iob2(labels: Sequence[str]) -> list[str]:
+    """IOB1 -> IOB2: an ``I-X`` that does not continue an ``X`` entity becomes ``B-X``.
+
+    IOB2 input comes back unchanged, so the conversion is safe on either scheme.
+    """
+    out: list[str] = []
+    previous = "O"
+    for label in labels:
+        if label.startswith("I-") and (previous == "O" or previous[2:] != label[2:]):
+            label = "B-" + label[2:]
+        out.append(label)
+        previous = label
+    return out
+
+
+def read_conll(
+    path: str | os.PathLike[str],
+    labels: Sequence[str] | None = None,
+    convert_iob1: bool = True,
+) -> tuple[list[Sentence], ReadReport]:
+    """Read a CoNLL file into sentences; a bad line drops its whole sentence (reported).
+
+    Problems: a line whose column count differs from the file's first token line or has
+    fewer than two columns, a label that is not ``O``/``B-X``/``I-X``/``E-X``/``S-X``, or
+    (with ``labels`` given) a label outside the list. Labels are converted from IOB1 to IOB2
+    unless ``convert_iob1`` is False.
+    """
+    name = os.fspath(path)
+    report = ReadReport(name)
+    allowed = set(labels) if labels is not None else None
+    sentences: list[Sentence] = []
+    columns = 0
+    words: list[str] = []
+    tags: list[str] = []
+    numbers: list[int] = []
+    bad = False
+
+    def finish() -> None:
+        nonlocal bad
+        if words:
+            report.rows_read += 1
+            if not bad:
+                fixed = iob1_to_iob2(tags) if convert_iob1 else list(tags)
+                pairs = zip(numbers, fixed, strict=True)
+                unknown = [(n, t) for n, t in pairs if allowed is not None and t not in allowed]
+                if unknown:
+                    report.add(unknown[0][0], f"unknown label {unknown[0][1]!r}; sentence dropped")
+                else:
+                    sentences.append(Sentence(tuple(words), tuple(fixed), numbers[0]))
+        words.clear()
+        tags.clear()
+        numbers.clear()
+        bad = False
+
+    for number, line in enumerate(lines_of(read_text(name)), start=1):
+        fields = line.split()
+        if not fields or fields[0] == "-DOCSTART-":
+            finish()
+            continue
+        columns = columns or len(fields)
+        if bad:
+            continue
+        if len(fields) < 2 or len(fields) != columns:
+            report.add(
+                number, f"expected {max(columns, 2)} columns, found {len(fields)}; sentence dropped"
+            )
+            bad = True
+        elif not _LABEL.match(fields[-1]):
+            report.add(
+                number, f"label {fields[-1]!r} is not O or B-/I-/E-/S-TYPE; sentence dropped"
+            )
+            bad = True
+        words.append(fields[0])
+        tags.append(fields[-1])
+        numbers.append(number)
+    finish()
+    report.rows_kept = len(sentences)
+    report.log()
+    report.require_rows()
+    return sentences, report
+
+
+def conll_labels(sentences: Sequence[Sentence]) -> tuple[str, ...]:
+    """``O`` then, per entity type in sorted order, every prefix seen in the data (B, I, ...)."""
+    types: set[str] = set()
+    prefixes: set[str] = {"B", "I"}
+    for sentence in sentences:
+        for label in sentence.labels:
+            if label != "O":
+                prefixes.add(label[0])
+                types.add(label[2:])
+    order = [p for p in _PREFIX_ORDER if p in prefixes]
+    return ("O", *(f"{p}-{t}" for t in sorted(types) for p in order))
+
+
+def conll_spec(
+    name: str, sentences: Sequence[Sentence] | None = None, labels: Sequence[str] | None = None
+) -> TaskSpec:
+    """Token-label spec: ``labels`` as given, else :func:`conll_labels` of ``sentences``;
+    scored by entity-level micro F1."""
+    if labels is None:
+        if sentences is None:
+            raise ValueError(f"task {name}: give the label list or the training sentences")
+        labels = conll_labels(sentences)
+    metrics = ("f1", "precision", "recall", "token_accuracy")
+    return TaskSpec(name, "token_labels", tuple(labels), "f1", True, metrics)
+
+
+def featurize_conll(
+    tokenizer: Tokenizer, sentences: Sequence[Sentence], spec: TaskSpec, max_seq_length: int
+) -> Features:
+    """First-sub-token features of ``sentences`` (layout in the module docstring).
+
+    A word the tokenizer turns into no token at all (e.g. a lone control character) becomes
+    ``[UNK]`` so that every word keeps a position. Truncated sentences are counted in a
+    warning.
+    """
+    tok = plain_tokenizer(tokenizer)
+    special = special_ids(tok)
+    label_ids = spec.label_to_id
+    budget = max_seq_length - 2
+    encodings = tok.encode_batch(
+        [list(s.words) for s in sentences], is_pretokenized=True, add_special_tokens=False
+    )
+    rows: list[list[int]] = []
+    label_rows: list[list[int]] = []
+    word_rows: list[list[int]] = []
+    truncated = np.zeros(len(sentences), dtype=bool)
+    words_lost = 0
+    for i, (sentence, encoding) in enumerate(zip(sentences, encodings, strict=True)):
+        pieces: list[list[int]] = [[] for _ in sentence.words]
+        for token_id, word in zip(encoding.ids, encoding.word_ids, strict=True):
+            if word is not None:
+                pieces[word].append(token_id)
+        ids, labels, word_ids = [special.cls], [IGNORE_INDEX], [-1]
+        for w, word_pieces in enumerate(pieces):
+            for j, token_id in enumerate(word_pieces or [special.unk]):
+                if len(ids) - 1 >= budget:
+                    truncated[i] = True
+                    break
+                ids.append(token_id)
+                labels.append(label_ids[sentence.labels[w]] if j == 0 else IGNORE_INDEX)
+                word_ids.append(w if j == 0 else -1)
+            if truncated[i]:
+                words_lost += len(pieces) - sum(1 for x in word_ids if x >= 0)
+                break
+        rows.append([*ids, special.sep])
+        label_rows.append([*labels, IGNORE_INDEX])
+        word_rows.append([*word_ids, -1])
+    features = encoded_features(rows, [[0] * len(r) for r in rows], special.pad)
+    features["labels"] = pad_rows(label_rows, IGNORE_INDEX, np.int64)
+    features["word_ids"] = pad_rows(word_rows, -1, np.int32)
+    features["truncated"] = truncated
+    if truncated.any():
+        logger.warning(
+            "%d of %d sentences are longer than max_seq_length=%d and were truncated; %d words "
+            "get no prediction and are scored as O",
+            int(truncated.sum()),
+            len(sentences),
+            max_seq_length,
+            words_lost,
+        )
+    return features
+
+
+def align_predictions(
+    features: Features,
+    predictions: np.ndarray | Sequence[np.ndarray],
+    sentences: Sequence[Sentence],
+    spec: TaskSpec,
+) -> list[list[str]]:
+    """Word-level labels from token-level predictions, read at each word's first sub-token.
+
+    ``predictions``: label ids [N, S'] or logits [N, S', C] (S' >= each row's length), or N
+    per-row arrays. Words cut off by truncation get ``O``. Returns one list per sentence.
+    """
+    out: list[list[str]] = []
+    for i, sentence in enumerate(sentences):
+        length = int(features["lengths"][i])
+        row = np.asarray(predictions[i])
+        if row.ndim == 2:
+            row = row.argmax(axis=-1)
+        if row.shape[0] < length:
+            raise ValueError(f"predictions row {i} has {row.shape[0]} positions, needs {length}")
+        labels = ["O"] * len(sentence.words)
+        word_ids = features["word_ids"][i, :length]
+        for position in np.flatnonzero(word_ids >= 0):
+            labels[int(word_ids[position])] = spec.labels[int(row[position])]
+        out.append(labels)
+    return out
+
+
+def _split(tag: str) -> tuple[str, str]:
+    if tag == "O" or "-" not in tag:
+        return "O", ""
+    prefix, kind = tag.split("-", 1)
+    return prefix, kind
+
+
+def _ends(prev: str, tag: str, prev_type: str, kind: str) -> bool:
+    """seqeval's ``end_of_chunk`` (conlleval's rules)."""
+    if prev in ("E", "S"):
+        return True
+    if prev in ("B", "I") and tag in ("B", "S", "O"):
+        return True
+    return prev != "O" and prev_type != kind
+
+
+def _starts(prev: str, tag: str, prev_type: str, kind: str) -> bool:
+    """seqeval's ``start_of_chunk`` (conlleval's rules)."""
+    if tag in ("B", "S"):
+        return True
+    if prev in ("E", "S", "O") and tag in ("E", "I"):
+        return True
+    return tag != "O" and prev_type != kind
+
+
+def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
+    """Entity spans ``(type, first, last)`` (inclusive word indices), conlleval-style:
+    an ``I-X`` after ``O`` or after another type starts a new entity."""
+    found: list[tuple[str, int, int]] = []
+    prev, prev_type, begin = "O", "", -1
+    for i, tag in enumerate([*tags, "O"]):
+        prefix, kind = _split(tag)
+        if begin >= 0 and _ends(prev, prefix, prev_type, kind):
+            found.append((prev_type, begin, i - 1))
+            begin = -1
+        if _starts(prev, prefix, prev_type, kind):
+            begin = i
+        prev, prev_type = prefix, kind
+    return found
+
+
+def _prf(correct: int, predicted: int, gold: int) -> tuple[float, float, float]:
+    precision = correct / predicted if predicted else 0.0
+    recall = correct / gold if gold else 0.0
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    return precision, recall, f1
+
+
+def entity_scores(
+    gold: Sequence[Sequence[str]], predicted: Sequence[Sequence[str]]
+) -> dict[str, float]:
+    """Entity-level precision, recall and F1 (exact span and type), micro-averaged over all
+    sentences, plus ``token_accuracy`` and ``<TYPE>_precision/_recall/_f1/_support`` per
+    type. Fractions in [0, 1]."""
+    if len(gold) != len(predicted):
+        raise ValueError(f"{len(gold)} gold sentences but {len(predicted)} predicted")
+    gold_spans: set[tuple[int, str, int, int]] = set()
+    pred_spans: set[tuple[int, str, int, int]] = set()
+    tokens = correct_tokens = 0
+    for i, (g, p) in enumerate(zip(gold, predicted, strict=True)):
+        if len(g) != len(p):
+            raise ValueError(f"sentence {i}: {len(g)} gold labels but {len(p)} predicted")
+        gold_spans.update((i, *span) for span in entities(g))
+        pred_spans.update((i, *span) for span in entities(p))
+        tokens += len(g)
+        correct_tokens += sum(a == b for a, b in zip(g, p, strict=True))
+    hits = gold_spans & pred_spans
+    precision, recall, f1 = _prf(len(hits), len(pred_spans), len(gold_spans))
+    out = {
+        "precision": precision,
+        "recall": recall,
+        "f1": f1,
+        "token_accuracy": correct_tokens / tokens if tokens else 0.0,
+    }
+    for kind in sorted({s[1] for s in gold_spans | pred_spans}):
+        n_gold = sum(1 for s in gold_spans if s[1] == kind)
+        n_pred = sum(1 for s in pred_spans if s[1] == kind)
+        n_hit = sum(1 for s in hits if s[1] == kind)
+        type_p, type_r, type_f = _prf(n_hit, n_pred, n_gold)
+        out.update({f"{kind}_precision": type_p, f"{kind}_recall": type_r, f"{kind}_f1": type_f})
+        out[f"{kind}_support"] = float(n_gold)
+    return out
+
+
+def write_conll_predictions(
+    target: str | os.PathLike[str] | IO[str],
+    sentences: Sequence[Sentence],
+    predicted: Sequence[Sequence[str]],
+) -> None:
+    """Write ``word gold predicted`` per line, a blank line after each sentence (the input
+    format of conlleval)."""
+    if len(sentences) != len(predicted):
+        raise ValueError(f"{len(sentences)} sentences but {len(predicted)} predictions")
+    with open_for_write(target) as out:
+        for sentence, labels in zip(sentences, predicted, strict=True):
+            for word, gold, pred in zip(sentence.words, sentence.labels, labels, strict=True):
+                out.write(f"{word} {gold} {pred}\n")
+            out.write("\n")

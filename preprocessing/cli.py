@@ -1,0 +1,72 @@
+"""``bertpipe tokenizer`` and ``bertpipe preprocess`` (parsers only; work happens in run.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from bertpipe.cli import add_config_arguments, config_from_args, write_resolved_config
+
+
+def add_tokenizer_command(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("tokenizer", help="train or import the WordPiece tokenizer")
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    train = actions.add_parser(
+        "train",
+        help="train a BERT WordPiece vocabulary (or import vocab_file=vocab.txt)",
+        description="Writes tokenizer.json, vocab.txt and tokenizer_config.json to `output`.",
+    )
+    add_config_arguments(train)
+    train.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer")
+    train.set_defaults(handler=_tokenizer_train)
+
+
+def _tokenizer_train(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from preprocessing.config import TokenizerConfig
+    from preprocessing.run import train_tokenizer
+
+    cfg = config_from_args(TokenizerConfig, args, ["overwrite=true"] if args.overwrite else [])
+    if cfg is None:
+        return 0
+    summary = train_tokenizer(cfg)
+    write_resolved_config(cfg, cfg.output)
+    sys.stdout.write(json.dumps(summary) + "\n")
+    return 0
+
+
+def add_preprocess_command(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "preprocess",
+        help="documents -> masked-LM/NSP instances in WebDataset shards (Apache Beam)",
+        description=(
+            "Runs the Beam job for every configured phase. Arguments after `--` go to Beam's "
+            "PipelineOptions, e.g. `-- --direct_running_mode=multi_processing "
+            "--direct_num_workers=4` or `-- --runner=DaskRunner --dask_client_address=HOST:8786`."
+        ),
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--overwrite", action="store_true", help="replace existing shards")
+    parser.set_defaults(handler=_preprocess)
+
+
+def _preprocess(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from preprocessing.config import PreprocessConfig
+    from preprocessing.run import run_preprocess
+
+    cfg = config_from_args(PreprocessConfig, args, ["overwrite=true"] if args.overwrite else [])
+    if cfg is None:
+        return 0
+    manifests = run_preprocess(cfg, passthrough)
+    write_resolved_config(cfg, cfg.output, "preprocess.yaml")
+    summary = {
+        name: {
+            "instances": m["splits"]["train"]["instances"],
+            "heldout_instances": m["splits"]["heldout"]["instances"],
+            "shards": m["splits"]["train"]["num_shards"],
+            "manifest_sha256": m["_sha256"],
+        }
+        for name, m in manifests.items()
+    }
+    sys.stdout.write(json.dumps(summary) + "\n")
+    return 0

@@ -1,0 +1,206 @@
+"""Typed configs of the tokenizer and preprocessing stages (YAML + dotted overrides)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bertpipe.config import ConfigError
+from bertpipe.tracking import TrackingConfig
+from preprocessing.readers import InputConfig
+
+__all__ = ["MaskingConfig", "PhaseConfig", "PreprocessConfig", "TokenizerConfig"]
+
+
+@dataclass
+class TokenizerConfig:
+    """``bertpipe tokenizer train``: a BERT WordPiece vocabulary from a corpus sample."""
+
+    input: InputConfig = field(default_factory=InputConfig)
+    """The corpus to learn the vocabulary from."""
+    output: str = "runs/tokenizer"
+    """Folder for tokenizer.json, vocab.txt and tokenizer_config.json."""
+    vocab_file: str | None = None
+    """Use this existing vocab.txt (e.g. Google's 30,522-token uncased one) instead of training."""
+    vocab_size: int = 30522
+    """Target vocabulary size, special tokens included."""
+    lowercase: bool = True
+    """Uncased model: lower-case and strip accents (BERT's BasicTokenizer)."""
+    strip_accents: bool | None = None
+    """Null follows ``lowercase``, as BERT does."""
+    special_tokens: list[str] = field(
+        default_factory=lambda: ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    )
+    """Special tokens, given the first ids in this order."""
+    min_frequency: int = 2
+    """A merge must be seen this often."""
+    limit_alphabet: int = 1000
+    """Most characters kept in the initial alphabet."""
+    sample_fraction: float = 1.0
+    """Share of documents to train on, chosen by a stable hash of the document id."""
+    max_documents: int | None = None
+    """Stop after this many sampled documents (files are read in sorted order)."""
+    overwrite: bool = False
+    """Replace a tokenizer already in ``output``."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def check_runnable(self) -> None:
+        """What a run needs beyond a valid config (recipes may leave the inputs open)."""
+        if self.vocab_file is None and not self.input.paths:
+            raise ConfigError("input.paths", "give the corpus files to train on (or vocab_file)")
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < len(self.special_tokens) + 10:
+            raise ConfigError("vocab_size", "is too small to hold the special tokens and text")
+        if not 0.0 < self.sample_fraction <= 1.0:
+            raise ConfigError("sample_fraction", "must be in (0, 1]")
+
+
+@dataclass
+class PhaseConfig:
+    """One pre-training phase's instances: sequence length and prediction budget."""
+
+    name: str = "seq128"
+    """Folder name under ``output`` (and how training refers to the phase's data)."""
+    max_seq_length: int = 128
+    """Tokens per instance, ``[CLS]`` and both ``[SEP]`` included."""
+    max_predictions_per_seq: int = 20
+    """Cap on masked positions per instance."""
+    num_shards: int | None = None
+    """Training shards; null estimates it from the input size and ``target_shard_mb``."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ConfigError("name", "must be a plain folder name such as seq128")
+        if not 8 <= self.max_seq_length <= 8192:
+            raise ConfigError("max_seq_length", "must be between 8 and 8192")
+        if not 1 <= self.max_predictions_per_seq <= self.max_seq_length - 3:
+            raise ConfigError("max_predictions_per_seq", "must be between 1 and max_seq_length - 3")
+        if self.num_shards is not None and self.num_shards < 1:
+            raise ConfigError("num_shards", "must be at least 1 (or null)")
+
+
+@dataclass
+class MaskingConfig:
+    """Masked-LM recipe."""
+
+    mode: Literal["static", "none"] = "static"
+    """``static``: masks written into the shards (a new draw per dupe); ``none``: shards
+    hold unmasked text and the training loader masks at load time (dynamic masking)."""
+    masked_lm_prob: float = 0.15
+    """Share of each instance's tokens to predict."""
+    mask_token_prob: float = 0.8
+    """Of the chosen tokens, share replaced by [MASK]."""
+    random_token_prob: float = 0.1
+    """Of the chosen tokens, share replaced by a random token (the rest stay unchanged)."""
+    whole_word: bool = False
+    """Mask all pieces of a word together."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.masked_lm_prob < 1.0:
+            raise ConfigError("masked_lm_prob", "must be in (0, 1)")
+        if self.mask_token_prob < 0 or self.random_token_prob < 0:
+            raise ConfigError("mask_token_prob", "probabilities must not be negative")
+        if self.mask_token_prob + self.random_token_prob > 1.0:
+            raise ConfigError(
+                "random_token_prob", "mask_token_prob + random_token_prob must be <= 1"
+            )
+
+
+def _default_phases() -> list[PhaseConfig]:
+    return [PhaseConfig("seq128", 128, 20), PhaseConfig("seq512", 512, 80)]
+
+
+@dataclass
+class PreprocessConfig:
+    """``bertpipe preprocess``: documents to masked-LM + NSP instances in WebDataset shards."""
+
+    input: InputConfig = field(default_factory=InputConfig)
+    """The corpus."""
+    tokenizer: str = "runs/tokenizer"
+    """Tokenizer folder (tokenizer.json and/or vocab.txt), a tokenizer.json or a vocab.txt."""
+    tokenizer_sha256: str | None = None
+    """If set, the run refuses a tokenizer with another checksum."""
+    lowercase: bool = True
+    """Only for a bare vocab.txt: whether the vocabulary is uncased."""
+    output: str = "runs/shards"
+    """Output root: one folder per phase with shards and manifest.json."""
+    overwrite: bool = False
+    """Replace shards already in the output folders."""
+    phases: list[PhaseConfig] = field(default_factory=_default_phases)
+    """Phases written by one run from one tokenization of the corpus."""
+    seed: int = 12345
+    """Seeds every random choice, through stable hashes of what it decides."""
+    dupe_factor: int = 5
+    """Passes over the corpus, each with new pairs and masks."""
+    short_seq_prob: float = 0.1
+    """Probability that a document pass uses a random shorter target length."""
+    random_next_prob: float = 0.5
+    """Probability that segment B comes from another document."""
+    min_sentences: int = 2
+    """Documents with fewer sentences are skipped (and counted)."""
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    heldout_fraction: float = 0.01
+    """Share of documents (by stable hash of the id) written to the held-out split."""
+    bucket_mb: float = 32.0
+    """Input megabytes per bucket: random-next segments come from the same bucket; buckets are
+    the unit of parallelism of instance creation."""
+    target_shard_mb: float = 128.0
+    """Estimated output megabytes per training shard when ``num_shards`` is null."""
+    min_shards: int = 8
+    """Lower bound on estimated training shard counts."""
+    instances_per_sample: int = 256
+    """Instances per WebDataset sample (one block)."""
+    tokenize_batch_documents: int = 256
+    """Documents per tokenizer ``encode_batch`` call."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def check_runnable(self) -> None:
+        """What a run needs beyond a valid config (recipes may leave the inputs open)."""
+        if not self.input.paths:
+            raise ConfigError("input.paths", "give at least one input file, folder or glob")
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ConfigError("phases", "list at least one phase")
+        names = [p.name for p in self.phases]
+        if len(set(names)) != len(names):
+            raise ConfigError("phases", f"phase names must be unique, got {names}")
+        if self.dupe_factor < 1:
+            raise ConfigError("dupe_factor", "must be at least 1")
+        for key in ("short_seq_prob", "random_next_prob"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(key, "must be between 0 and 1")
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ConfigError("heldout_fraction", "must be in [0, 1)")
+        if self.min_sentences < 1:
+            raise ConfigError("min_sentences", "must be at least 1")
+        for key in ("bucket_mb", "target_shard_mb"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(key, "must be positive")
+        if self.instances_per_sample < 1:
+            raise ConfigError("instances_per_sample", "must be at least 1")
+        if self.min_shards < 1:
+            raise ConfigError("min_shards", "must be at least 1")
+
+    # ---- derived values (deterministic functions of the config and the input sizes) ----
+
+    def num_buckets(self, text_bytes: int) -> int:
+        return max(1, math.ceil(text_bytes / (self.bucket_mb * 1e6)))
+
+    def num_shards(self, phase: PhaseConfig, text_bytes: int) -> int:
+        """Training shards of ``phase``: given, or from the estimated output size.
+
+        The estimate: ~4.3 characters per token, ~2.6 bytes per token in a shard (uint16 ids
+        plus masked positions and labels), ``dupe_factor`` copies.
+        """
+        if phase.num_shards is not None:
+            return phase.num_shards
+        est_mb = text_bytes / 4.3 * 2.6 * self.dupe_factor / 1e6
+        return max(self.min_shards, math.ceil(est_mb / self.target_shard_mb))
+
+    def heldout_shards(self, phase: PhaseConfig, text_bytes: int) -> int:
+        if self.heldout_fraction == 0:
+            return 0
+        return max(1, round(self.num_shards(phase, text_bytes) * self.heldout_fraction))

@@ -1,0 +1,547 @@
+"""The Apache Beam job: documents -> tokenized documents -> instances -> WebDataset shards.
+
+Stages (each a labelled step; every DoFn counts what it reads and drops)::
+
+    ListFiles -> ReadDocuments (batches per file) -> Tokenize        keyed (split, bucket)
+      -> GroupByBucket -> CreateInstances (all phases, all dupes)     part files + references
+      -> GroupByShard (references) -> WriteShards -> (with the statistics) WriteManifests
+
+Determinism: every random choice draws from a generator seeded by a stable hash of the run
+seed and what it decides (bucket, phase, split, dupe, shard), documents are sorted by id
+inside a bucket and blocks by bucket inside a shard, and nothing depends on element order,
+bundle size, worker count or runner. So the same inputs, config and seed give byte-identical
+shards on DirectRunner (in-process or multi-processing), DaskRunner, Flink, Spark or
+Dataflow.
+
+Balance: a bucket deals its instances, shuffled, round-robin over all shards starting at a
+hashed offset (and continuing from one dupe pass to the next), so every shard gets instances
+from every bucket (no document clumps) and shard sizes differ by at most the number of
+buckets.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import posixpath
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.metrics import Metrics
+
+from bertpipe import fsio
+from bertpipe.config import to_dict
+from bertpipe.progress import ProgressLine
+from bertpipe.seeding import rng_for, stable_hash, stable_unit
+from preprocessing.config import PhaseConfig, PreprocessConfig
+from preprocessing.instances import DocumentSet, TokenizedDoc, assemble, create_pairs
+from preprocessing.masking import MaskingSpec, mask_block
+from preprocessing.readers import InputConfig, read_documents
+from preprocessing.shard_format import (
+    FORMAT_NAME,
+    NUM_MASKED,
+    RANDOM_NEXT,
+    SCHEMA_VERSION,
+    InstanceBlock,
+    TarStats,
+    token_dtype,
+    write_tar,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PartRef", "Plan", "build_pipeline", "manifest_url", "parts_folder", "shard_name"]
+
+NAMESPACE = "bertpipe.preprocess"
+CHUNK_INSTANCES = 8192
+"""Instances assembled and masked at a time (bounds the scratch memory of a bucket)."""
+SPLITS = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the workers need, fixed before the pipeline starts (and picklable)."""
+
+    cfg: PreprocessConfig
+    root: str
+    """The inputs' common folder (document ids are relative to it)."""
+    num_files: int
+    num_buckets: int
+    shards: dict[str, dict[str, int]]
+    """phase name -> split -> number of shards."""
+    tokenizer_url: str
+    """Where workers load the tokenizer from (any fsspec URL they can reach)."""
+    tokenizer_sha256: str
+    """Workers refuse a tokenizer with another checksum."""
+    vocab_size: int
+    special_ids: dict[str, int]
+    continuation_ids: tuple[int, ...]
+    """Ids of ``##`` pieces (for whole-word masking)."""
+
+    def phase(self, name: str) -> PhaseConfig:
+        return next(p for p in self.cfg.phases if p.name == name)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return token_dtype(self.vocab_size)
+
+
+class PartRef(NamedTuple):
+    """Where a bucket's instances for one shard lie in the bucket's part file."""
+
+    bucket: int
+    dupe: int
+    piece: int
+    url: str
+    offset: int
+    length: int
+
+    def read(self) -> bytes:
+        fs, path = fsio.to_fs(self.url)
+        with fs.open(path, "rb") as f:
+            f.seek(self.offset)
+            return f.read(self.length)
+
+
+def parts_folder(output: str, phase: str) -> str:
+    """Scratch folder of a phase's part files (removed when the run completes)."""
+    return fsio.join(output, phase, "_parts")
+
+
+def shard_name(split: str, shard: int) -> str:
+    return f"{split}-{shard:05d}.tar"
+
+
+def manifest_url(output: str, phase: str) -> str:
+    return fsio.join(output, phase, "manifest.json")
+
+
+# --------------------------------------------------------------------------- DoFns
+
+
+class ReadDocumentsFn(beam.DoFn):
+    """A file URL -> ``("docs", [(doc_id, sentences), ...])`` batches, then
+    ``("counts", {...})``."""
+
+    def __init__(self, cfg: InputConfig, root: str, num_files: int, batch: int) -> None:
+        self._cfg = cfg
+        self._root = root
+        self._num_files = num_files
+        self._batch = batch
+
+    def setup(self) -> None:
+        self._progress = ProgressLine("preprocess: files read", self._num_files)
+        self._done = 0
+        self._docs = 0
+
+    def process(self, url: str) -> Iterator[Any]:
+        counts: Counter[str] = Counter()
+        n = 0
+        batch: list[tuple[str, list[str]]] = []
+        for doc in read_documents(url, self._cfg, counts, root=self._root):
+            n += 1
+            batch.append((doc.doc_id, doc.sentences))
+            if len(batch) == self._batch:
+                yield "docs", batch
+                batch = []
+        if batch:
+            yield "docs", batch
+        counts["documents_read"] += n
+        _count(counts)
+        self._done += 1
+        self._docs += n
+        self._progress.update(self._done, f"{self._docs:,} documents", force=True)
+        if self._done >= self._num_files:
+            self._progress.close()
+        yield "counts", dict(counts)
+
+
+class TokenizeFn(beam.DoFn):
+    """A batch of documents -> ``("docs", ((split, bucket), packed TokenizedDoc))`` per kept
+    document, then ``("counts", {...})``."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+
+    def setup(self) -> None:
+        from preprocessing.tokenizer import (
+            CorpusEncoder,
+            TokenizerMismatchError,
+            load_tokenizer,
+            tokenizer_checksum,
+        )
+
+        plan = self._plan
+        tokenizer = load_tokenizer(plan.tokenizer_url, lowercase=plan.cfg.lowercase)
+        if tokenizer_checksum(tokenizer) != plan.tokenizer_sha256:
+            raise TokenizerMismatchError(
+                f"tokenizer {plan.tokenizer_url} changed while the job was running"
+            )
+        self._encoder = CorpusEncoder(tokenizer)
+        self._dtype = plan.dtype
+
+    def process(self, batch: list[tuple[str, list[str]]]) -> Iterator[Any]:
+        cfg = self._plan.cfg
+        counts: Counter[str] = Counter()
+        ids = self._encoder.encode([s for _, sentences in batch for s in sentences])
+        pos = 0
+        for doc_id, sentences in batch:
+            doc_ids = [x for x in ids[pos : pos + len(sentences)] if x]
+            pos += len(sentences)
+            counts["sentences_empty_after_tokenization"] += len(sentences) - len(doc_ids)
+            if len(doc_ids) < cfg.min_sentences:
+                counts["documents_too_short"] += 1
+                continue
+            lengths = np.fromiter(map(len, doc_ids), dtype=np.int32, count=len(doc_ids))
+            total = int(lengths.sum())
+            tokens = np.fromiter(itertools.chain.from_iterable(doc_ids), self._dtype, total)
+            split = "heldout" if stable_unit("heldout", doc_id) < cfg.heldout_fraction else "train"
+            bucket = stable_hash(cfg.seed, "bucket", doc_id) % self._plan.num_buckets
+            counts["documents_kept"] += 1
+            counts[f"{split}_documents"] += 1
+            counts["sentences"] += len(doc_ids)
+            counts["tokens"] += total
+            doc = TokenizedDoc(doc_id, tokens, np.cumsum(lengths, dtype=np.int32))
+            yield "docs", ((split, bucket), doc.pack())
+        _count(counts)
+        yield "counts", dict(counts)
+
+
+class CreateInstancesFn(beam.DoFn):
+    """A bucket's documents -> instances of every phase, written to a part file per phase;
+    emits ``("parts", ((phase, split, shard), PartRef))`` for every shard's slice of it and
+    ``("stats", (phase, {...}))``.
+
+    Instances travel to the shard writers through storage, not through the runner's shuffle:
+    only small references go through ``GroupByShard``, so a local run's memory does not grow
+    with the corpus (the direct runner holds a shuffle's whole input in memory).
+    """
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+
+    def setup(self) -> None:
+        plan = self._plan
+        mcfg = plan.cfg.masking
+        continuation = np.zeros(plan.vocab_size, dtype=bool)
+        continuation[list(plan.continuation_ids)] = True
+        self._masking = {
+            p.name: MaskingSpec(
+                masked_lm_prob=mcfg.masked_lm_prob,
+                max_predictions_per_seq=p.max_predictions_per_seq,
+                mask_id=plan.special_ids["mask"],
+                vocab_size=plan.vocab_size,
+                special_ids=tuple(plan.special_ids.values()),
+                mask_token_prob=mcfg.mask_token_prob,
+                random_token_prob=mcfg.random_token_prob,
+                whole_word=mcfg.whole_word,
+                continuation=continuation,
+            )
+            for p in plan.cfg.phases
+        }
+
+    def process(self, element: tuple[tuple[str, int], Iterable[bytes]]) -> Iterator[Any]:
+        (split, bucket), packed = element
+        plan, cfg = self._plan, self._plan.cfg
+        docs = sorted((TokenizedDoc.unpack(b) for b in packed), key=lambda d: d.doc_id)
+        docset = DocumentSet.from_docs(docs)
+        for phase in cfg.phases:
+            counts: Counter[str] = Counter()
+            num_shards = plan.shards[phase.name][split]
+            # round-robin over the shards continues from pass to pass, from a hashed start
+            dealt = stable_hash(cfg.seed, "offset", phase.name, split, bucket) % num_shards
+            part_url = fsio.join(parts_folder(cfg.output, phase.name), f"{split}-{bucket:06d}.bin")
+            refs: list[tuple[int, PartRef]] = []
+            fs, path = fsio.to_fs(part_url)
+            fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            with fs.open(path, "wb") as out:
+                written = 0
+                for dupe in range(cfg.dupe_factor):
+                    spread = rng_for(cfg.seed, "spread", phase.name, split, bucket, dupe)
+                    for piece, block in enumerate(
+                        self._instances(docset, phase, split, bucket, dupe, counts)
+                    ):
+                        n = len(block)
+                        order = spread.permutation(n)
+                        shard_of = (dealt + np.arange(n)) % num_shards
+                        dealt += n
+                        for shard in range(num_shards):
+                            index = order[shard_of == shard]
+                            if index.size:
+                                data = block.take(index).pack()
+                                out.write(data)
+                                ref = PartRef(bucket, dupe, piece, part_url, written, len(data))
+                                refs.append((shard, ref))
+                                written += len(data)
+            for shard, ref in refs:
+                yield "parts", ((phase.name, split, shard), ref)
+            Metrics.counter(NAMESPACE, f"{phase.name}_{split}_instances").inc(counts["instances"])
+            yield "stats", (phase.name, {f"{split}.{k}": v for k, v in counts.items()})
+
+    def _instances(
+        self,
+        docset: DocumentSet,
+        phase: PhaseConfig,
+        split: str,
+        bucket: int,
+        dupe: int,
+        counts: Counter[str],
+    ) -> Iterator[InstanceBlock]:
+        """One pass of the recipe over the bucket, assembled and masked in pieces of
+        ``CHUNK_INSTANCES`` so that scratch memory stays bounded however large the bucket."""
+        plan, cfg = self._plan, self._plan.cfg
+        spec = create_pairs(
+            docset,
+            max_seq_length=phase.max_seq_length,
+            short_seq_prob=cfg.short_seq_prob,
+            random_next_prob=cfg.random_next_prob,
+            rng=rng_for(cfg.seed, "pairs", phase.name, split, bucket, dupe),
+            counts=counts,
+        )
+        counts["short_target_instances"] += int(spec.is_short_target.sum())
+        counts["truncated_instances"] += int((spec.truncated > 0).sum())
+        counts["truncated_tokens"] += int(spec.truncated.sum())
+        mask_rng = rng_for(cfg.seed, "mask", phase.name, split, bucket, dupe)
+        for start in range(0, len(spec), CHUNK_INSTANCES):
+            block = assemble(
+                docset.tokens,
+                spec.slice(start, start + CHUNK_INSTANCES),
+                cls_id=plan.special_ids["cls"],
+                sep_id=plan.special_ids["sep"],
+                dtype=plan.dtype,
+            )
+            if cfg.masking.mode == "static":
+                block = mask_block(block, self._masking[phase.name], mask_rng)
+            counts["instances"] += len(block)
+            counts["instance_tokens"] += int(block.tokens.size)
+            counts["masked_tokens"] += int(block.info[:, NUM_MASKED].sum())
+            counts["random_next"] += int(block.info[:, RANDOM_NEXT].sum())
+            yield block
+
+
+class WriteShardFn(beam.DoFn):
+    """All blocks of one shard -> a shuffled, byte-reproducible WebDataset tar, atomically."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+
+    def process(self, element: tuple[tuple[str, str, int], Iterable[PartRef]]) -> Iterator[Any]:
+        (phase, split, shard), refs = element
+        cfg = self._plan.cfg
+        # (bucket, dupe, piece) order, whatever order the runner delivered the parts in
+        block = InstanceBlock.concat([InstanceBlock.unpack(ref.read()) for ref in sorted(refs)])
+        order = rng_for(cfg.seed, "shuffle", phase, split, shard).permutation(len(block))
+        size = cfg.instances_per_sample
+        samples = (
+            (f"{shard:05d}-{i:06d}", block.take(order[start : start + size]).to_sample())
+            for i, start in enumerate(range(0, len(block), size))
+        )
+        name = shard_name(split, shard)
+        with fsio.atomic_writer(fsio.join(cfg.output, phase, name)) as out:
+            tar = TarStats(out)
+            write_tar(tar, samples)
+        Metrics.counter(NAMESPACE, "shards_written").inc()
+        Metrics.counter(NAMESPACE, "shard_bytes").inc(tar.size)
+        yield (
+            phase,
+            {
+                "split": split,
+                "file": name,
+                "instances": len(block),
+                "samples": -(-len(block) // size),
+                "bytes": tar.size,
+                "sha256": tar.sha256.hexdigest(),
+            },
+        )
+
+
+class WriteManifestFn(beam.DoFn):
+    """A phase's shard records and statistics -> ``manifest.json`` (written last)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+
+    def process(self, element: tuple[str, dict[str, list[Any]]]) -> Iterator[tuple[str, str]]:
+        phase_name, grouped = element
+        manifest = build_manifest(self._plan, phase_name, grouped["shards"], grouped["stats"])
+        text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+        fsio.atomic_write_text(manifest_url(self._plan.cfg.output, phase_name), text)
+        yield phase_name, text
+
+
+class SumCounts(beam.CombineFn):
+    """Adds up dictionaries of counts."""
+
+    def create_accumulator(self) -> dict[str, int]:
+        return {}
+
+    def add_input(self, acc: dict[str, int], counts: dict[str, int]) -> dict[str, int]:
+        for k, v in counts.items():
+            acc[k] = acc.get(k, 0) + v
+        return acc
+
+    def merge_accumulators(self, accs: Iterable[dict[str, int]]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for acc in accs:
+            self.add_input(out, acc)
+        return out
+
+    def extract_output(self, acc: dict[str, int]) -> dict[str, int]:
+        return dict(sorted(acc.items()))
+
+
+class Demux(beam.PTransform):
+    """Splits a PCollection of ``(tag, value)`` pairs into one PCollection per tag.
+
+    Used instead of Beam's multi-output ParDo (``with_outputs``): the DaskRunner merges all
+    outputs of such a ParDo into one collection. For the same reason no DoFn here emits from
+    ``finish_bundle`` (the DaskRunner drops those outputs) and ``BatchElements`` is not used.
+    """
+
+    def __init__(self, *tags: str) -> None:
+        super().__init__()
+        self._tags = tags
+
+    def expand(self, pcoll: beam.PCollection) -> dict[str, beam.PCollection]:
+        return {tag: pcoll | f"Select_{tag}" >> beam.FlatMap(_select, tag) for tag in self._tags}
+
+
+def _select(element: tuple[str, Any], tag: str) -> Iterator[Any]:
+    if element[0] == tag:
+        yield element[1]
+
+
+def _count(counts: Counter[str]) -> None:
+    for key, value in counts.items():
+        if value:
+            Metrics.counter(NAMESPACE, key).inc(value)
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+def build_manifest(
+    plan: Plan,
+    phase_name: str,
+    shard_records: list[dict[str, Any]],
+    stats_parts: list[dict[str, int]],
+) -> dict[str, Any]:
+    """The manifest of one phase: schema, totals per shard and split, statistics, config."""
+    cfg = plan.cfg
+    phase = plan.phase(phase_name)
+    raw: dict[str, int] = SumCounts().merge_accumulators(stats_parts)
+    splits: dict[str, Any] = {}
+    for split in SPLITS:
+        records = sorted(
+            (
+                {k: v for k, v in r.items() if k != "split"}
+                for r in shard_records
+                if r["split"] == split
+            ),
+            key=lambda r: r["file"],
+        )
+        splits[split] = {
+            "num_shards": len(records),
+            "instances": sum(r["instances"] for r in records),
+            "samples": sum(r["samples"] for r in records),
+            "bytes": sum(r["bytes"] for r in records),
+            "shards": records,
+        }
+    corpus = {k: v for k, v in raw.items() if "." not in k}
+    stats: dict[str, Any] = {"corpus": corpus}
+    for split in SPLITS:
+        part = {k.split(".", 1)[1]: v for k, v in raw.items() if k.startswith(split + ".")}
+        stats[split] = _derived(part)
+    return {
+        "format": FORMAT_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "phase": phase.name,
+        "max_seq_length": phase.max_seq_length,
+        "max_predictions_per_seq": phase.max_predictions_per_seq,
+        "masking": cfg.masking.mode,
+        "token_dtype": str(plan.dtype),
+        "vocab_size": plan.vocab_size,
+        "special_token_ids": plan.special_ids,
+        "tokenizer_sha256": plan.tokenizer_sha256,
+        "instances_per_sample": cfg.instances_per_sample,
+        "seed": cfg.seed,
+        "num_buckets": plan.num_buckets,
+        "splits": splits,
+        "stats": stats,
+        # what determines the data; where it was written and how it was logged do not
+        "config": {k: v for k, v in to_dict(cfg).items() if k not in _OPERATIONAL_KEYS},
+    }
+
+
+_OPERATIONAL_KEYS = ("output", "overwrite", "tracking")
+
+
+def _derived(part: dict[str, int]) -> dict[str, Any]:
+    n = part.get("instances", 0)
+    tokens = part.get("instance_tokens", 0)
+    passes = part.get("document_passes", 0)
+    out: dict[str, Any] = dict(sorted(part.items()))
+    out["mean_tokens_per_instance"] = round(tokens / n, 3) if n else 0.0
+    out["masked_fraction"] = round(part.get("masked_tokens", 0) / tokens, 5) if tokens else 0.0
+    out["random_next_fraction"] = round(part.get("random_next", 0) / n, 5) if n else 0.0
+    out["short_target_fraction"] = round(part.get("short_target_instances", 0) / n, 5) if n else 0.0
+    out["short_target_document_fraction"] = (
+        round(part.get("documents_short_target", 0) / passes, 5) if passes else 0.0
+    )
+    out["truncated_fraction"] = round(part.get("truncated_instances", 0) / n, 5) if n else 0.0
+    return out
+
+
+# --------------------------------------------------------------------------- the pipeline
+
+
+def build_pipeline(p: beam.Pipeline, plan: Plan, files: list[str]) -> beam.PCollection:
+    """Add the preprocessing steps to ``p``; returns the PCollection of (phase, manifest text)."""
+    cfg = plan.cfg
+    phase_names = [ph.name for ph in cfg.phases]
+    read = (
+        p
+        | "ListFiles" >> beam.Create(files)
+        | "SpreadFiles" >> beam.Reshuffle()
+        | "ReadDocuments"
+        >> beam.ParDo(
+            ReadDocumentsFn(cfg.input, plan.root, len(files), cfg.tokenize_batch_documents)
+        )
+        | "SplitRead" >> Demux("docs", "counts")
+    )
+    tokenized = (
+        read["docs"]
+        | "Tokenize" >> beam.ParDo(TokenizeFn(plan))
+        | "SplitTokenized" >> Demux("docs", "counts")
+    )
+    instances = (
+        tokenized["docs"]
+        | "GroupByBucket" >> beam.GroupByKey()
+        | "CreateInstances" >> beam.ParDo(CreateInstancesFn(plan))
+        | "SplitInstances" >> Demux("parts", "stats")
+    )
+    shards = (
+        instances["parts"]
+        | "GroupByShard" >> beam.GroupByKey()
+        | "WriteShards" >> beam.ParDo(WriteShardFn(plan))
+    )
+    corpus_counts = (
+        (read["counts"], tokenized["counts"])
+        | "CorpusCounts" >> beam.Flatten()
+        | "PerPhase" >> beam.FlatMap(lambda c: [(name, c) for name in phase_names])
+    )
+    stats = (
+        (corpus_counts, instances["stats"])
+        | "AllStats" >> beam.Flatten()
+        | "SumStats" >> beam.CombinePerKey(SumCounts())
+    )
+    return (
+        {"shards": shards, "stats": stats}
+        | "JoinByPhase" >> beam.CoGroupByKey()
+        | "WriteManifests" >> beam.ParDo(WriteManifestFn(plan))
+    )

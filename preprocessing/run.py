@@ -1,0 +1,330 @@
+"""Entry points of the tokenizer and preprocessing stages: checks first, then the work.
+
+Everything that can be wrong with a run (no matching input, a tokenizer without BERT's
+special tokens or with the wrong checksum, an output folder that already holds shards) is
+checked before any document is read, so a bad invocation fails in a second with one line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from bertpipe import fsio, tracking
+from bertpipe.config import ConfigError
+from bertpipe.errors import BertpipeError
+from bertpipe.seeding import stable_unit
+from preprocessing.config import PreprocessConfig, TokenizerConfig
+from preprocessing.pipeline import Plan, build_pipeline, manifest_url, parts_folder
+from preprocessing.readers import COMPRESSION, common_root, read_documents
+from preprocessing.tokenizer import (
+    SpecialTokens,
+    TokenizerMismatchError,
+    build_from_vocab,
+    load_tokenizer,
+    read_vocab_txt,
+    save_tokenizer,
+    tokenizer_checksum,
+    train_wordpiece,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["make_pipeline", "prepare", "run_preprocess", "train_tokenizer"]
+
+_SHARD_FILE = re.compile(r"^(train|heldout)-\d{5}\.tar$")
+_COMPRESSION_RATIO = 3.5  # assumed text bytes per compressed byte, for size estimates only
+
+
+class OutputExistsError(BertpipeError, FileExistsError):
+    """The output already holds results and ``overwrite`` is not set."""
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
+    """Train (or import) the WordPiece tokenizer and write it to ``cfg.output``."""
+    out_json = fsio.join(cfg.output, "tokenizer.json")
+    if fsio.exists(out_json) and not cfg.overwrite:
+        raise OutputExistsError(
+            f"{out_json} already exists: pass --overwrite (overwrite=true) or choose another output"
+        )
+    cfg.check_runnable()
+    files = fsio.expand_urls(cfg.input.paths) if cfg.input.paths else []
+    started = time.monotonic()
+    counts: Counter[str] = Counter()
+    if cfg.vocab_file:
+        tokenizer = build_from_vocab(read_vocab_txt(cfg.vocab_file), lowercase=cfg.lowercase)
+        SpecialTokens.from_tokenizer(tokenizer, cfg.vocab_file)
+    else:
+
+        def sample():  # type: ignore[no-untyped-def]  # read twice: alphabet, then training
+            counts.clear()
+            return _sample_sentences(cfg, files, counts)
+
+        tokenizer = train_wordpiece(
+            sample,
+            vocab_size=cfg.vocab_size,
+            lowercase=cfg.lowercase,
+            strip_accents=cfg.strip_accents,
+            min_frequency=cfg.min_frequency,
+            limit_alphabet=cfg.limit_alphabet,
+            special_tokens=cfg.special_tokens,
+        )
+    save_tokenizer(tokenizer, cfg.output, lowercase=cfg.lowercase)
+    summary = {
+        "vocab_size": tokenizer.get_vocab_size(),
+        "tokenizer_sha256": tokenizer_checksum(tokenizer),
+        "seconds": round(time.monotonic() - started, 2),
+        **dict(sorted(counts.items())),
+    }
+    log.info("tokenizer written to %s: %s", cfg.output, json.dumps(summary))
+    with tracking.start_run(
+        cfg.tracking,
+        "tokenizer",
+        config=cfg,
+        run_name="tokenizer",
+        tags={"bertpipe.tokenizer_sha256": summary["tokenizer_sha256"]},
+    ) as run:
+        if run is not None:
+            tracking.log_metrics({k: v for k, v in summary.items() if k != "tokenizer_sha256"})
+            import mlflow
+
+            for name in ("vocab.txt", "tokenizer_config.json"):
+                with fsio.open_url(fsio.join(cfg.output, name), "rt", encoding="utf-8") as f:
+                    mlflow.log_text(f.read(), f"tokenizer/{name}")
+    return summary
+
+
+def _sample_sentences(cfg: TokenizerConfig, files: list[str], counts: Counter[str]):  # type: ignore[no-untyped-def]
+    root = common_root(files)
+    taken = 0
+    for url in files:
+        for doc in read_documents(url, cfg.input, counts, root=root):
+            if (
+                cfg.sample_fraction < 1.0
+                and stable_unit("sample", doc.doc_id) >= cfg.sample_fraction
+            ):
+                continue
+            taken += 1
+            counts["documents_sampled"] += 1
+            yield from doc.sentences
+            if cfg.max_documents is not None and taken >= cfg.max_documents:
+                return
+
+
+# --------------------------------------------------------------------------- preprocess
+
+
+def estimate_text_bytes(files: Sequence[str]) -> int:
+    """Input size in (uncompressed, estimated) text bytes: sizes the buckets and shards."""
+    total = 0.0
+    for url in files:
+        fs, path = fsio.to_fs(url)
+        size = float(fs.size(path) or 0)
+        ext = "." + url.rsplit(".", 1)[-1].lower() if "." in url else ""
+        total += size * (_COMPRESSION_RATIO if ext in COMPRESSION else 1.0)
+    return int(total)
+
+
+def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[str]]:
+    """All checks, then the plan; raises a one-line error before any work is done."""
+    cfg.check_runnable()
+    files = fsio.expand_urls(cfg.input.paths)
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer, lowercase=cfg.lowercase)
+    except FileNotFoundError as exc:
+        raise ConfigError("tokenizer", str(exc)) from None
+    specials = SpecialTokens.from_tokenizer(tokenizer, cfg.tokenizer)
+    checksum = tokenizer_checksum(tokenizer)
+    if cfg.tokenizer_sha256 and cfg.tokenizer_sha256 != checksum:
+        raise TokenizerMismatchError(
+            f"tokenizer {cfg.tokenizer} has sha256 {checksum[:12]}..., the config expects "
+            f"{cfg.tokenizer_sha256[:12]}...: point `tokenizer` at the right one or update "
+            "`tokenizer_sha256`"
+        )
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    for phase in cfg.phases:
+        _check_output(cfg, phase.name)
+    text_bytes = estimate_text_bytes(files)
+    shards = {
+        p.name: {
+            "train": cfg.num_shards(p, text_bytes),
+            "heldout": max(1, cfg.heldout_shards(p, text_bytes)),
+        }
+        for p in cfg.phases
+    }
+    plan = Plan(
+        cfg=cfg,
+        root=common_root(files),
+        num_files=len(files),
+        num_buckets=cfg.num_buckets(text_bytes),
+        shards=shards,
+        tokenizer_url=cfg.tokenizer,
+        tokenizer_sha256=checksum,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        special_ids={
+            "pad": specials.pad,
+            "unk": specials.unk,
+            "cls": specials.cls,
+            "sep": specials.sep,
+            "mask": specials.mask,
+        },
+        continuation_ids=tuple(sorted(i for t, i in vocab.items() if t.startswith("##"))),
+    )
+    return plan, files
+
+
+def _check_output(cfg: PreprocessConfig, phase: str) -> None:
+    folder = fsio.join(cfg.output, phase)
+    existing = [u for u in fsio.list_files(folder) if _SHARD_FILE.match(u.rsplit("/", 1)[-1])]
+    has_manifest = fsio.exists(manifest_url(cfg.output, phase))
+    if (existing or has_manifest) and not cfg.overwrite:
+        raise OutputExistsError(
+            f"{folder} already holds {len(existing)} shard(s)"
+            f"{' and a manifest' if has_manifest else ''}: pass --overwrite to replace them "
+            "or choose another `output`"
+        )
+
+
+def make_pipeline(beam_args: Sequence[str]):  # type: ignore[no-untyped-def]
+    """A Beam pipeline for ``beam_args``; the direct runner is pinned to the FnApiRunner.
+
+    Beam's ``DirectRunner`` first tries to fetch and start Prism, which cannot work offline,
+    so the local default is the FnApiRunner it would fall back to (in-process, or
+    ``--direct_running_mode=multi_processing --direct_num_workers=N``). ``--runner=DaskRunner``
+    is accepted as a short name for Beam's Dask runner.
+    """
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+
+    options = PipelineOptions(list(beam_args))
+    standard = options.view_as(StandardOptions)
+    if standard.runner in (None, "DirectRunner", "direct", "FnApiRunner"):
+        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
+        return beam.Pipeline(runner=FnApiRunner(), options=options)
+    if standard.runner == "DaskRunner":
+        standard.runner = "apache_beam.runners.dask.dask_runner.DaskRunner"
+    return beam.Pipeline(options=options)
+
+
+def run_preprocess(
+    cfg: PreprocessConfig, beam_args: Sequence[str] = ()
+) -> dict[str, dict[str, Any]]:
+    """Run the Beam job and return each phase's manifest (also logged to MLflow)."""
+    plan, files = prepare(cfg)
+    log.info(
+        "preprocess: %d file(s), ~%.1f MB of text, %d bucket(s), phases %s, shards %s",
+        len(files),
+        estimate_text_bytes(files) / 1e6,
+        plan.num_buckets,
+        ", ".join(p.name for p in cfg.phases),
+        json.dumps(plan.shards),
+    )
+    if cfg.overwrite:  # readers must never pair an old manifest with new shards
+        fsio.remove(manifest_url(cfg.output, p.name) for p in cfg.phases)
+    fsio.remove((parts_folder(cfg.output, p.name) for p in cfg.phases), recursive=True)
+    started = time.monotonic()
+    pipeline = make_pipeline(beam_args)
+    build_pipeline(pipeline, plan, files)
+    result = pipeline.run()
+    result.wait_until_finish()
+    seconds = time.monotonic() - started
+    manifests = {}
+    for phase in cfg.phases:
+        url = manifest_url(cfg.output, phase.name)
+        if not fsio.exists(url):
+            raise RuntimeError(f"the pipeline finished but wrote no {url}: see the runner's log")
+        with fsio.open_url(url, "rb") as f:
+            raw = f.read()
+        manifest = json.loads(raw)
+        manifest["_sha256"] = hashlib.sha256(raw).hexdigest()
+        manifests[phase.name] = manifest
+        _remove_stale(cfg, phase.name, manifest)
+    fsio.remove((parts_folder(cfg.output, p.name) for p in cfg.phases), recursive=True)
+    for manifest in manifests.values():
+        _log_summary(manifest)
+    _log_to_mlflow(cfg, plan, manifests, seconds)
+    return manifests
+
+
+def _remove_stale(cfg: PreprocessConfig, phase: str, manifest: dict[str, Any]) -> None:
+    keep = {r["file"] for s in manifest["splits"].values() for r in s["shards"]}
+    folder = fsio.join(cfg.output, phase)
+    stale = [
+        u
+        for u in fsio.list_files(folder)
+        if _SHARD_FILE.match(u.rsplit("/", 1)[-1]) and u.rsplit("/", 1)[-1] not in keep
+    ]
+    if stale:
+        log.info("removing %d shard(s) of an earlier run from %s", len(stale), folder)
+        fsio.remove(stale)
+
+
+def _log_summary(manifest: dict[str, Any]) -> None:
+    train = manifest["stats"]["train"]
+    corpus = manifest["stats"]["corpus"]
+    split = manifest["splits"]
+    log.info(
+        "%s: %d documents kept of %d read, %d sentences, %d tokens -> train %d instances in %d "
+        "shard(s) (%.1f tokens/instance, masked %.4f, random next %.4f, short target %.4f, "
+        "truncated %.4f), held-out %d instances",
+        manifest["phase"],
+        corpus.get("documents_kept", 0),
+        corpus.get("documents_read", 0),
+        corpus.get("sentences", 0),
+        corpus.get("tokens", 0),
+        split["train"]["instances"],
+        split["train"]["num_shards"],
+        train["mean_tokens_per_instance"],
+        train["masked_fraction"],
+        train["random_next_fraction"],
+        train["short_target_fraction"],
+        train["truncated_fraction"],
+        split["heldout"]["instances"],
+    )
+    skipped = {
+        k: v
+        for k, v in corpus.items()
+        if "skipped" in k or "too" in k or "failed" in k or "malformed" in k
+    }
+    if skipped:
+        log.warning("%s: skipped input: %s", manifest["phase"], json.dumps(skipped))
+
+
+def _log_to_mlflow(
+    cfg: PreprocessConfig, plan: Plan, manifests: dict[str, dict[str, Any]], seconds: float
+) -> None:
+    tags = {"bertpipe.tokenizer_sha256": plan.tokenizer_sha256}
+    for name, m in manifests.items():
+        tags[f"{tracking.TAG_DATA_CHECKSUM}.{name}"] = m["_sha256"]
+    with tracking.start_run(
+        cfg.tracking, "preprocess", config=cfg, run_name="preprocess", tags=tags
+    ) as run:
+        if run is None:
+            return
+        import mlflow
+
+        metrics: dict[str, float] = {"seconds": seconds}
+        for name, m in manifests.items():
+            for key, value in m["stats"]["corpus"].items():
+                metrics[f"corpus.{key}"] = value
+            for split in ("train", "heldout"):
+                for key, value in m["stats"][split].items():
+                    metrics[f"{name}.{split}.{key}"] = value
+                metrics[f"{name}.{split}.bytes"] = m["splits"][split]["bytes"]
+                metrics[f"{name}.{split}.num_shards"] = m["splits"][split]["num_shards"]
+            train = m["splits"]["train"]
+            if train["instances"]:
+                metrics[f"{name}.bytes_per_instance"] = train["bytes"] / train["instances"]
+            body = {k: v for k, v in m.items() if k != "_sha256"}
+            mlflow.log_text(json.dumps(body, indent=2, sort_keys=True), f"manifests/{name}.json")
+        tracking.log_metrics(metrics)

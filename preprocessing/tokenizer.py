@@ -1,0 +1,307 @@
+"""The BERT WordPiece tokenizer: trained with HF ``tokenizers`` or built from a ``vocab.txt``.
+
+A tokenizer folder holds ``tokenizer.json`` (the full HF tokenizer), ``vocab.txt`` (one
+token per line in id order, the Google/HF format) and ``tokenizer_config.json`` (what
+``transformers.BertTokenizerFast`` needs). Special token ids are whatever the vocabulary
+says: a trained vocabulary puts them first, Google's uncased one at 0 and 100-103, so
+every consumer reads them through :class:`SpecialTokens`, never as constants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers.trainers import WordPieceTrainer
+
+from bertpipe import fsio
+from bertpipe.errors import BertpipeError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "CorpusEncoder",
+    "SpecialTokens",
+    "TokenizerMismatchError",
+    "build_from_vocab",
+    "load_tokenizer",
+    "save_tokenizer",
+    "tokenizer_checksum",
+    "train_wordpiece",
+]
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+class TokenizerMismatchError(BertpipeError, ValueError):
+    """The tokenizer is not usable for BERT data (missing specials, inconsistent files)."""
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """Ids of BERT's special tokens, read from a tokenizer."""
+
+    pad: int
+    unk: int
+    cls: int
+    sep: int
+    mask: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer, source: str = "tokenizer") -> SpecialTokens:
+        ids = {}
+        for name, token in zip(("pad", "unk", "cls", "sep", "mask"), SPECIAL_TOKENS, strict=True):
+            tid = tokenizer.token_to_id(token)
+            if tid is None:
+                raise TokenizerMismatchError(
+                    f"{source} has no {token} token: BERT data needs {', '.join(SPECIAL_TOKENS)}"
+                )
+            ids[name] = tid
+        return cls(**ids)
+
+    def all(self) -> tuple[int, ...]:
+        return (self.pad, self.unk, self.cls, self.sep, self.mask)
+
+
+def _configure(tokenizer: Tokenizer, lowercase: bool, strip_accents: bool | None) -> Tokenizer:
+    """Give a WordPiece model BERT's normaliser, pre-tokeniser, decoder and post-processor."""
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=True,
+        strip_accents=lowercase if strip_accents is None else strip_accents,
+        lowercase=lowercase,
+    )
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")
+    return tokenizer
+
+
+def _add_post_processor(tokenizer: Tokenizer) -> Tokenizer:
+    cls_id = tokenizer.token_to_id("[CLS]")
+    sep_id = tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return tokenizer
+
+
+def train_wordpiece(
+    texts: Callable[[], Iterable[str]] | Sequence[str],
+    *,
+    vocab_size: int = 30522,
+    lowercase: bool = True,
+    strip_accents: bool | None = None,
+    min_frequency: int = 2,
+    limit_alphabet: int = 1000,
+    special_tokens: Iterable[str] = SPECIAL_TOKENS,
+) -> Tokenizer:
+    """Train a BERT WordPiece vocabulary on ``texts`` (sentences or paragraphs).
+
+    ``texts`` is a sequence or a function returning a fresh iterable: it is read twice.
+    The special tokens get the first ids, then the ``##`` continuation of every alphabet
+    character, then the alphabet, then the learnt pieces.
+
+    Deterministic for the same texts in the same order. ``tokenizers``' trainer on its own
+    is not (huggingface/tokenizers#1794): it numbers the ``##x`` pieces in hash-map order
+    and breaks ties between equally frequent merges by those numbers. Here a first pass
+    counts the characters of the normalised text, and the chosen alphabet and its ``##``
+    pieces are handed to the trainer up front (the pieces as special tokens, so they get
+    fixed ids); the tokenizer is then rebuilt from the vocabulary with only BERT's five
+    specials as added tokens.
+    """
+    specials = list(special_tokens)
+    missing = [t for t in SPECIAL_TOKENS if t not in specials]
+    if missing:
+        raise TokenizerMismatchError(f"special_tokens must include {', '.join(missing)}")
+    read = texts if callable(texts) else (lambda: texts)
+    tokenizer = _configure(
+        Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)),
+        lowercase,
+        strip_accents,
+    )
+    alphabet = _alphabet(tokenizer, read(), limit_alphabet)
+    pieces = [f"##{c}" for c in alphabet if f"##{c}" not in specials]
+    trainer = WordPieceTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=specials + pieces,
+        limit_alphabet=len(alphabet),
+        initial_alphabet=alphabet,
+        continuing_subword_prefix="##",
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(read(), trainer=trainer)
+    return build_from_vocab(
+        vocab_in_order(tokenizer), lowercase=lowercase, strip_accents=strip_accents
+    )
+
+
+def _alphabet(tokenizer: Tokenizer, texts: Iterable[str], limit: int) -> list[str]:
+    """The ``limit`` most frequent characters of the normalised texts (ties by character)."""
+    counts: Counter[str] = Counter()
+    normalizer = tokenizer.normalizer
+    for batch in batched(texts, 4096):
+        normalized = normalizer.normalize_str("\n".join(batch)) if normalizer else "\n".join(batch)
+        counts.update(normalized)
+    for space in (" ", "\n", "\t", "\r"):
+        counts.pop(space, None)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    return sorted(c for c, _ in ranked[:limit] if not c.isspace())
+
+
+def build_from_vocab(
+    vocab: Iterable[str], *, lowercase: bool = True, strip_accents: bool | None = None
+) -> Tokenizer:
+    """A BERT tokenizer over an existing vocabulary (e.g. Google's 30,522-token ``vocab.txt``)."""
+    table: dict[str, int] = {}
+    for token in vocab:
+        if token in table:
+            raise TokenizerMismatchError(f"vocabulary lists {token!r} twice")
+        table[token] = len(table)
+    missing = [t for t in SPECIAL_TOKENS if t not in table]
+    if missing:
+        raise TokenizerMismatchError(
+            f"vocabulary has no {', '.join(missing)}: BERT needs {', '.join(SPECIAL_TOKENS)}"
+        )
+    tokenizer = _configure(
+        Tokenizer(models.WordPiece(table, unk_token="[UNK]", max_input_chars_per_word=100)),
+        lowercase,
+        strip_accents,
+    )
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return _add_post_processor(tokenizer)
+
+
+def read_vocab_txt(url: str) -> list[str]:
+    """Tokens of a ``vocab.txt`` in id order (one per line, trailing newline stripped)."""
+    with fsio.open_url(url, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n").rstrip("\r") for line in f if line.strip("\r\n")]
+
+
+def vocab_in_order(tokenizer: Tokenizer) -> list[str]:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    ordered = [""] * len(vocab)
+    for token, idx in vocab.items():
+        if idx >= len(ordered) or ordered[idx]:
+            raise TokenizerMismatchError("tokenizer ids are not contiguous from 0")
+        ordered[idx] = token
+    return ordered
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: str, *, lowercase: bool) -> None:
+    """Write ``tokenizer.json``, ``vocab.txt`` and ``tokenizer_config.json`` into ``folder``."""
+    fsio.atomic_write_text(
+        fsio.join(folder, "vocab.txt"), "\n".join(vocab_in_order(tokenizer)) + "\n"
+    )
+    fsio.atomic_write_text(fsio.join(folder, "tokenizer.json"), tokenizer.to_str(pretty=True))
+    config = {
+        "tokenizer_class": "BertTokenizer",
+        "do_lower_case": lowercase,
+        "model_max_length": 512,
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "mask_token": "[MASK]",
+    }
+    fsio.atomic_write_text(
+        fsio.join(folder, "tokenizer_config.json"), json.dumps(config, indent=2) + "\n"
+    )
+
+
+def load_tokenizer(location: str, *, lowercase: bool = True) -> Tokenizer:
+    """Load a tokenizer folder (``tokenizer.json`` preferred), a tokenizer.json or a vocab.txt.
+
+    ``lowercase`` only matters for a bare ``vocab.txt``. When a folder holds both files
+    they must agree token for token.
+    """
+    if location.endswith(".json"):
+        return _load_json(location)
+    if location.endswith(".txt"):
+        return build_from_vocab(read_vocab_txt(location), lowercase=lowercase)
+    json_url = fsio.join(location, "tokenizer.json")
+    vocab_url = fsio.join(location, "vocab.txt")
+    has_json, has_vocab = fsio.exists(json_url), fsio.exists(vocab_url)
+    if not has_json and not has_vocab:
+        raise FileNotFoundError(
+            f"tokenizer {location} holds neither tokenizer.json nor vocab.txt: "
+            "run `bertpipe tokenizer train` or point at a vocab.txt"
+        )
+    if not has_json:
+        return build_from_vocab(read_vocab_txt(vocab_url), lowercase=lowercase)
+    tokenizer = _load_json(json_url)
+    if has_vocab and read_vocab_txt(vocab_url) != vocab_in_order(tokenizer):
+        raise TokenizerMismatchError(
+            f"{vocab_url} does not match {json_url}: rewrite both with `bertpipe tokenizer train`"
+        )
+    return tokenizer
+
+
+def _load_json(url: str) -> Tokenizer:
+    with fsio.open_url(url, "rt", encoding="utf-8") as f:
+        text = f.read()
+    try:
+        tokenizer = Tokenizer.from_str(text)
+    except Exception as exc:
+        raise TokenizerMismatchError(f"{url} is not a tokenizers JSON file: {exc}") from None
+    SpecialTokens.from_tokenizer(tokenizer, url)
+    return tokenizer
+
+
+def tokenizer_checksum(tokenizer: Tokenizer) -> str:
+    """sha256 of the tokenizer's canonical JSON: two tokenizers that encode alike share it."""
+    canonical = json.dumps(json.loads(tokenizer.to_str()), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+class CorpusEncoder:
+    """Encodes corpus sentences to ids without special tokens, fast.
+
+    Special tokens written literally in the text (``"[MASK]"`` in a document about BERT)
+    are encoded as ordinary text, never as the special ids: sentences that contain one are
+    re-encoded by a copy with ``encode_special_tokens`` set, which is slower, so it is only
+    used where needed.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        self._plain.no_truncation()
+        self._plain.no_padding()
+        self._literal = Tokenizer.from_str(tokenizer.to_str())
+        self._literal.no_truncation()
+        self._literal.no_padding()
+        self._literal.encode_special_tokens = True
+        self._specials = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is not None]
+        self._batch = getattr(self._plain, "encode_batch_fast", self._plain.encode_batch)
+
+    def encode(self, sentences: list[str]) -> list[list[int]]:
+        """Token ids of each sentence, [len(sentences)] lists."""
+        if not sentences:
+            return []
+        ids = [e.ids for e in self._batch(sentences, add_special_tokens=False)]
+        joined = "\n".join(sentences)
+        if any(t in joined for t in self._specials):
+            for i, sentence in enumerate(sentences):
+                if any(t in sentence for t in self._specials):
+                    ids[i] = self._literal.encode(sentence, add_special_tokens=False).ids
+        return ids
+
+
+def batched(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    """Lists of up to ``size`` consecutive items."""
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -1,0 +1,94 @@
+"""Shared fixtures: small corpora and a tokenizer written by the tests themselves.
+
+The environment is set here once for every test: DeepSpeed on CPU with its compiled ops
+cached in the project, tokenizers without fork warnings, MLflow never at a default URI.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+_WORDS_TEXT = (
+    "the of and to in a is that for it as was with be by on not he i this are or his from at "
+    "which but have an they you were her she there been one all we their has would when if so "
+    "no will more can said who about out up them some could what into only other time new also "
+    "than two may then do first any my now such like our over man me even most made after "
+    "world through back years where much before should how people just state after between "
+    "under never system water country during without against government early small number "
+    "interest general however public information program development present problem national "
+    "possible political economic important international community example university "
+    "population understanding organization particularly administration approximately "
+    "responsibility characteristics implementation configuration "
+)
+WORDS = tuple(_WORDS_TEXT.split())
+
+
+def synthetic_documents(
+    n_docs: int, seed: int = 0, min_sent: int = 2, max_sent: int = 40
+) -> list[list[str]]:
+    """Documents of English-like sentences (common words, capitalised, full stops)."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n_docs):
+        sentences = []
+        for _ in range(int(rng.integers(min_sent, max_sent + 1))):
+            words = [WORDS[i] for i in rng.integers(0, len(WORDS), int(rng.integers(4, 22)))]
+            words[0] = words[0].capitalize()
+            sentences.append(" ".join(words) + ".")
+        docs.append(sentences)
+    return docs
+
+
+def write_sentence_files(folder: Path, docs: list[list[str]], files: int = 3) -> list[Path]:
+    """Write ``docs`` in the one-sentence-per-line layout, spread over ``files`` files."""
+    folder.mkdir(parents=True, exist_ok=True)
+    chunks: list[list[str]] = [[] for _ in range(files)]
+    for i, doc in enumerate(docs):
+        chunks[i % files].append("\n".join(doc) + "\n\n")
+    paths = []
+    for i, chunk in enumerate(chunks):
+        path = folder / f"part-{i}.txt"
+        path.write_text("".join(chunk), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """200 documents in three sentence-per-line files."""
+    folder = tmp_path_factory.mktemp("corpus")
+    write_sentence_files(folder, synthetic_documents(200, seed=1))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
+    """A WordPiece tokenizer trained on ``corpus_dir`` (vocabulary of 400)."""
+    from preprocessing.tokenizer import save_tokenizer, train_wordpiece
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    texts = [
+        line
+        for p in sorted(corpus_dir.glob("*.txt"))
+        for line in p.read_text().splitlines()
+        if line
+    ]
+    tokenizer = train_wordpiece(texts, vocab_size=400, min_frequency=1)
+    save_tokenizer(tokenizer, str(folder), lowercase=True)
+    return folder
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path: Path) -> str:
+    """A sqlite MLflow store private to the test."""
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -1,0 +1,58 @@
+"""Shared fixtures: a small BERT-style WordPiece tokenizer built in memory.
+
+The special tokens sit at ids 0-4, not at Google's 100-103, so code that hard-codes special
+ids fails these tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+PUNCTUATION = list(".,!?'\"()-:;")
+WORDS = """
+a an the cat cats dog sat on mat is was what who where when did in of and to it
+new york mayor said hello play eu rejects german call boycott british lamb peter
+blackburn brussels japan won cup john lives london city river flows through
+question answer context paris france capital fortress built year river seine
+he she they good bad movie film great terrible man men woman women quick brown fox
+jumps over lazy yes no one two three four five six seven eight nine ten 1999 2000
+""".split()  # noqa: SIM905 (a word list reads best as text)
+PIECES = ["##s", "##ing", "##er", "##ed"]
+VOCAB = SPECIALS + PUNCTUATION + WORDS + PIECES
+
+
+def build_tokenizer() -> Tokenizer:
+    """WordPiece + BertNormalizer + BertPreTokenizer + BERT's pair template, ids from VOCAB."""
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(VOCAB))}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    cls_id, sep_id = vocab["[CLS]"], vocab["[SEP]"]
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    tokenizer.decoder = decoders.WordPiece()
+    return tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return build_tokenizer()
+
+
+@pytest.fixture
+def write(tmp_path: Path):
+    """write(name, text) -> path of a new UTF-8 file under the test's tmp folder."""
+
+    def _write(name: str, text: str) -> str:
+        path = tmp_path / name
+        path.write_text(text, encoding="utf-8")
+        return str(path)
+
+    return _write

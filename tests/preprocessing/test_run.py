@@ -1,0 +1,219 @@
+"""The whole preprocessing stage end to end: real Beam, real files, real MLflow."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bertpipe.cli import main
+from bertpipe.config import load_config
+from preprocessing.config import PreprocessConfig
+from preprocessing.run import run_preprocess
+from preprocessing.shard_format import read_shard
+
+pytestmark = pytest.mark.integration
+
+PHASES = (
+    "phases=[{name: seq64, max_seq_length: 64, max_predictions_per_seq: 10, num_shards: 4},"
+    " {name: seq128, max_seq_length: 128, max_predictions_per_seq: 20, num_shards: 3}]"
+)
+
+
+def _cfg(corpus: Path, tokenizer: Path, out: Path, *extra: str) -> PreprocessConfig:
+    return load_config(
+        PreprocessConfig,
+        None,
+        [
+            f"input.paths=[{corpus}]",
+            f"tokenizer={tokenizer}",
+            f"output={out}",
+            PHASES,
+            "dupe_factor=2",
+            "heldout_fraction=0.05",
+            "bucket_mb=0.02",
+            *extra,
+        ],
+    )
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_both_phases_with_manifest_stats_and_mlflow(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path, mlflow_uri: str
+) -> None:
+    out = tmp_path / "shards"
+    manifests = run_preprocess(_cfg(corpus_dir, tokenizer_dir, out, f"tracking.uri={mlflow_uri}"))
+    assert set(manifests) == {"seq64", "seq128"}
+    for name, max_len in (("seq64", 64), ("seq128", 128)):
+        m = manifests[name]
+        assert m["schema_version"] == 1 and m["max_seq_length"] == max_len
+        assert m["stats"]["corpus"]["documents_read"] == 200
+        assert (out / name / "manifest.json").exists()
+        assert not (out / name / "_parts").exists()
+        total = 0
+        for split in ("train", "heldout"):
+            for shard in m["splits"][split]["shards"]:
+                path = out / name / shard["file"]
+                assert hashlib.sha256(path.read_bytes()).hexdigest() == shard["sha256"]
+                blocks = [b for _, b in read_shard(str(path))]
+                n = sum(len(b) for b in blocks)
+                assert n == shard["instances"] and len(blocks) == shard["samples"]
+                assert max(int(b.lengths.max()) for b in blocks) <= max_len
+                total += n
+        train = m["splits"]["train"]
+        counts = [s["instances"] for s in train["shards"]]
+        assert len(counts) == train["num_shards"]
+        assert max(counts) - min(counts) <= m["num_buckets"]  # balanced
+        assert total == m["stats"]["train"]["instances"] + m["stats"]["heldout"]["instances"]
+        assert m["stats"]["train"]["masked_fraction"] == pytest.approx(0.15, abs=0.01)
+        assert 0 < m["splits"]["heldout"]["instances"] < 0.2 * train["instances"]
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    (run,) = mlflow.search_runs(experiment_names=["bertpipe"], output_format="list")
+    assert run.data.tags["bertpipe.stage"] == "preprocess"
+    assert run.data.tags["bertpipe.data_manifest_sha256.seq64"] == manifests["seq64"]["_sha256"]
+    assert (
+        run.data.metrics["seq128.train.instances"]
+        == manifests["seq128"]["stats"]["train"]["instances"]
+    )
+    assert run.data.params["dupe_factor"] == "2"
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "manifests")}
+    assert artifacts == {"manifests/seq64.json", "manifests/seq128.json"}
+
+
+def test_bad_input_is_counted_and_inputs_untouched(tokenizer_dir: Path, tmp_path: Path) -> None:
+    corpus = tmp_path / "messy"
+    corpus.mkdir()
+    from tests.conftest import synthetic_documents, write_sentence_files
+
+    write_sentence_files(corpus, synthetic_documents(40, seed=8), files=2)
+    (corpus / "empty.txt").write_bytes(b"")
+    (corpus / "blob.txt").write_bytes(bytes(range(256)) * 10)
+    (corpus / "latin.txt").write_bytes("d\xe9j\xe0 vu.\nencore.\n".encode("latin-1") * 20)
+    (corpus / "short.txt").write_text("Just one sentence here.\n\nAnd another lonely one.\n")
+    (corpus / "table.csv").write_text("a,b\n1,2\n")
+    with (corpus / "huge.txt").open("w") as f:
+        f.write("y" * 50_000_000 + "\n")
+    before = _digest(corpus)
+    manifests = run_preprocess(
+        _cfg(corpus, tokenizer_dir, tmp_path / "out", "tracking.enabled=false")
+    )
+    corpus_stats = manifests["seq64"]["stats"]["corpus"]
+    assert corpus_stats["files_skipped_empty"] == 1
+    assert corpus_stats["files_skipped_binary"] == 1
+    assert corpus_stats["files_skipped_not_utf8"] == 1
+    assert corpus_stats["files_skipped_unknown_extension"] == 1
+    assert corpus_stats["documents_too_short"] == 2
+    assert corpus_stats["sentences_too_long"] == 1
+    assert manifests["seq64"]["splits"]["train"]["instances"] > 0
+    assert _digest(corpus) == before
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "bertpipe.cli", *args], capture_output=True, text=True, check=False
+    )
+
+
+def test_clear_errors_before_any_work(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    base = [f"tokenizer={tokenizer_dir}", "tracking.enabled=false", PHASES, "dupe_factor=1"]
+    # a glob that matches nothing
+    proc = _cli(
+        "preprocess", f"input.paths=[{tmp_path}/missing-*.txt]", f"output={tmp_path}/o", *base
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("bertpipe: error: input ")
+    assert "missing-*.txt matches no file" in proc.stderr
+    # a config key that does not exist
+    proc = _cli("preprocess", f"input.paths=[{corpus_dir}]", "dupe_factr=3", *base)
+    assert proc.returncode == 2 and "config key 'dupe_factr': unknown key" in proc.stderr
+    # a tokenizer with another checksum
+    proc = _cli(
+        "preprocess",
+        f"input.paths=[{corpus_dir}]",
+        f"output={tmp_path}/o",
+        "tokenizer_sha256=abc",
+        *base,
+    )
+    assert proc.returncode == 2 and "sha256" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_existing_output_needs_overwrite_and_is_kept(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "o"
+    args = [
+        "preprocess",
+        f"input.paths=[{corpus_dir}]",
+        f"tokenizer={tokenizer_dir}",
+        f"output={out}",
+        "tracking.enabled=false",
+        "dupe_factor=1",
+        "phases=[{name: s, max_seq_length: 32, max_predictions_per_seq: 5, num_shards: 2}]",
+    ]
+    assert main(args) == 0
+    before = _digest(out)
+    proc = _cli(*args)
+    assert proc.returncode == 2 and "already holds 3 shard(s) and a manifest" in proc.stderr
+    assert "--overwrite" in proc.stderr
+    assert _digest(out) == before
+    # with --overwrite the same config reproduces the same bytes
+    assert main([*args, "--overwrite"]) == 0
+    after = _digest(out)
+    assert {k: v for k, v in after.items() if k != "preprocess.yaml"} == {
+        k: v for k, v in before.items() if k != "preprocess.yaml"
+    }
+
+
+def test_tokenizer_cli_trains_and_imports(corpus_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tok"
+    args = [
+        "tokenizer",
+        "train",
+        f"input.paths=[{corpus_dir}]",
+        f"output={out}",
+        "vocab_size=300",
+        "tracking.enabled=false",
+    ]
+    assert main(args) == 0
+    vocab = (out / "vocab.txt").read_text().splitlines()
+    assert len(vocab) == 300 and vocab[2] == "[CLS]"
+    assert _cli(*args).returncode == 2  # exists
+    imported = tmp_path / "imported"
+    assert (
+        main(
+            [
+                "tokenizer",
+                "train",
+                f"vocab_file={out / 'vocab.txt'}",
+                f"output={imported}",
+                "tracking.enabled=false",
+            ]
+        )
+        == 0
+    )
+    assert (imported / "vocab.txt").read_text().splitlines() == vocab
+    first = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    second = json.loads((imported / "tokenizer.json").read_text())["model"]["vocab"]
+    assert first == second
+    # the same inputs train the same vocabulary again
+    again = tmp_path / "again"
+    assert main([*args[:3], f"output={again}", "vocab_size=300", "tracking.enabled=false"]) == 0
+    assert (again / "vocab.txt").read_bytes() == (out / "vocab.txt").read_bytes()
+    assert np.all(np.array(vocab[:5]) == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])

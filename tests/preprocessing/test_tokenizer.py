@@ -1,0 +1,83 @@
+"""Tokenizer: deterministic training, Google-format vocab.txt, special ids read not assumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from preprocessing.tokenizer import (
+    CorpusEncoder,
+    SpecialTokens,
+    TokenizerMismatchError,
+    build_from_vocab,
+    load_tokenizer,
+    read_vocab_txt,
+    save_tokenizer,
+    tokenizer_checksum,
+    train_wordpiece,
+)
+from tests.conftest import synthetic_documents
+
+TEXTS = [s for d in synthetic_documents(60, seed=3) for s in d]
+
+
+def test_training_is_deterministic() -> None:
+    a = train_wordpiece(TEXTS, vocab_size=300, min_frequency=1)
+    b = train_wordpiece(TEXTS, vocab_size=300, min_frequency=1)
+    assert tokenizer_checksum(a) == tokenizer_checksum(b)
+    assert a.get_vocab() == b.get_vocab()
+
+
+def test_saved_folder_round_trips_and_vocab_txt_is_in_id_order(tmp_path: Path) -> None:
+    tok = train_wordpiece(TEXTS, vocab_size=300, min_frequency=1)
+    save_tokenizer(tok, str(tmp_path), lowercase=True)
+    vocab = read_vocab_txt(str(tmp_path / "vocab.txt"))
+    assert vocab[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert [tok.token_to_id(t) for t in vocab] == list(range(len(vocab)))
+    loaded = load_tokenizer(str(tmp_path))
+    assert tokenizer_checksum(loaded) == tokenizer_checksum(tok)
+    # a bare vocab.txt builds an equivalent tokenizer
+    from_vocab = load_tokenizer(str(tmp_path / "vocab.txt"))
+    sentence = "The government development program was important."
+    assert from_vocab.encode(sentence).ids == tok.encode(sentence).ids
+
+
+def test_google_layout_vocab_special_ids_are_read(tmp_path: Path) -> None:
+    """Google's uncased vocab puts [PAD] at 0, [UNK] [CLS] [SEP] [MASK] at 100-103."""
+    vocab = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab += ["the", "cat", "sat", "on", "mat", "##s", "."]
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(vocab) + "\n")
+    tok = load_tokenizer(str(path))
+    specials = SpecialTokens.from_tokenizer(tok)
+    assert (specials.pad, specials.unk, specials.cls, specials.sep, specials.mask) == (
+        0,
+        100,
+        101,
+        102,
+        103,
+    )
+    enc = tok.encode("The cats sat.", "On the mat.")
+    assert enc.ids[0] == 101 and enc.ids.count(102) == 2
+    assert enc.tokens[:4] == ["[CLS]", "the", "cat", "##s"]
+
+
+def test_inconsistent_folder_and_missing_specials(tmp_path: Path) -> None:
+    tok = train_wordpiece(TEXTS, vocab_size=300, min_frequency=1)
+    save_tokenizer(tok, str(tmp_path), lowercase=True)
+    (tmp_path / "vocab.txt").write_text("[PAD]\n[UNK]\nother\n")
+    with pytest.raises(TokenizerMismatchError, match="does not match"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(TokenizerMismatchError, match=r"\[CLS\]"):
+        build_from_vocab(["[PAD]", "[UNK]", "a", "b"])
+
+
+def test_literal_special_tokens_in_text_are_text() -> None:
+    tok = train_wordpiece([*TEXTS, "mask cls sep tokens"], vocab_size=300, min_frequency=1)
+    specials = set(SpecialTokens.from_tokenizer(tok).all()) - {
+        SpecialTokens.from_tokenizer(tok).unk
+    }
+    ids = CorpusEncoder(tok).encode(["The [MASK] and [CLS] tokens.", "Plain text."])
+    assert not specials.intersection(ids[0])
+    assert ids[1] == tok.encode("Plain text.", add_special_tokens=False).ids
