@@ -1,0 +1,483 @@
+"""BERT for pre-training in plain torch: single-device code, parameter names as transformers'.
+
+Module and parameter names match ``transformers.BertForPreTraining`` one-to-one
+(``bert.encoder.layer.0.attention.self.query.weight``, ``cls.predictions.bias``, ...), so
+state dicts convert without renaming (see :mod:`training.hf`). Two things differ inside:
+
+* the vocabulary is padded to a multiple of ``pad_vocab_multiple`` (embedding rows and
+  decoder bias); logits are sliced back to the real ``vocab_size``;
+* the MLM head runs only at the masked positions when ``mlm_positions`` is given (sparse
+  prediction), so the full ``[B, S, V]`` logits are never built during training.
+
+Shapes: B batch, S sequence length, H hidden size, V vocabulary size, N masked positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from bertpipe.config import ConfigError
+
+__all__ = [
+    "PRESETS",
+    "BertForPreTraining",
+    "BertModel",
+    "BertModelConfig",
+    "BertModelOutput",
+    "PreTrainingOutput",
+    "init_weights",
+]
+
+IGNORE_INDEX = -100
+POSITIVE_FIELDS: tuple[str, ...] = ("vocab_size", "hidden_size", "num_layers", "num_heads")
+POSITIVE_FIELDS += ("max_position_embeddings", "type_vocab_size", "pad_vocab_multiple")
+
+# Google's published BERT sizes (github.com/google-research/bert): layers, hidden, heads.
+PRESETS: Mapping[str, Mapping[str, int]] = {
+    "tiny": {"num_layers": 2, "hidden_size": 128, "num_heads": 2},
+    "mini": {"num_layers": 4, "hidden_size": 256, "num_heads": 4},
+    "small": {"num_layers": 4, "hidden_size": 512, "num_heads": 8},
+    "medium": {"num_layers": 8, "hidden_size": 512, "num_heads": 8},
+    "base": {"num_layers": 12, "hidden_size": 768, "num_heads": 12},
+    "large": {"num_layers": 24, "hidden_size": 1024, "num_heads": 16},
+}
+
+
+@dataclasses.dataclass
+class BertModelConfig:
+    """Architecture of the BERT encoder and its pre-training heads."""
+
+    vocab_size: int
+    """Real vocabulary size of the tokenizer (padding to ``pad_vocab_multiple`` is internal)."""
+    hidden_size: int = 768
+    """Width H of every token representation."""
+    num_layers: int = 12
+    """Number of transformer layers L."""
+    num_heads: int = 12
+    """Attention heads A per layer; must divide hidden_size."""
+    intermediate_size: int | None = None
+    """Width of the feed-forward layer; null means 4 * hidden_size."""
+    max_position_embeddings: int = 512
+    """Longest sequence the position embeddings cover."""
+    type_vocab_size: int = 2
+    """Number of segment (token type) ids: 2 for sentence A / sentence B."""
+    hidden_dropout: float = 0.1
+    """Dropout on embeddings and on every sub-layer output."""
+    attention_dropout: float = 0.1
+    """Dropout on the attention probabilities."""
+    layer_norm_eps: float = 1e-12
+    """Epsilon of every LayerNorm (BERT's TF value)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal init of Linear and Embedding weights."""
+    pad_token_id: int = 0
+    """Id of [PAD]; its embedding row starts at zero and gets no gradient from the input side."""
+    pre_layer_norm: bool = False
+    """LayerNorm before each sub-layer plus a final one (stabler for deep or high-LR runs).
+    False is the paper's post-LN. Pre-LN models cannot be exported to transformers."""
+    position_embedding: Literal["learned", "sinusoidal"] = "learned"
+    """Learned position table (BERT) or the original Transformer's fixed sinusoids (a buffer,
+    no parameters; cannot be exported to transformers)."""
+    pad_vocab_multiple: int = 8
+    """Pad the vocabulary to a multiple of this for aligned matmuls (1 = no padding)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass (saves memory, ~1/3 more compute)."""
+
+    def __post_init__(self) -> None:
+        for name in POSITIVE_FIELDS:
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            why = f"{self.hidden_size} % {self.num_heads} != 0; change hidden_size or num_heads"
+            raise ConfigError("hidden_size", f"must be divisible by num_heads ({why})")
+        if self.intermediate_size is not None and self.intermediate_size < 1:
+            raise ConfigError("intermediate_size", "must be at least 1, or null for 4 * hidden")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
+        for name in ("layer_norm_eps", "initializer_range"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be positive, got {getattr(self, name)}")
+        if not 0 <= self.pad_token_id < self.vocab_size:
+            raise ConfigError("pad_token_id", f"must be in [0, vocab_size={self.vocab_size})")
+        if self.position_embedding not in ("learned", "sinusoidal"):
+            raise ConfigError("position_embedding", "must be 'learned' or 'sinusoidal'")
+
+    @classmethod
+    def preset(cls, name: str, vocab_size: int, **overrides: Any) -> BertModelConfig:
+        """One of Google's published sizes (see ``PRESETS``) with optional field overrides."""
+        if name not in PRESETS:
+            raise ConfigError("preset", f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+        return cls(vocab_size=vocab_size, **{**PRESETS[name], **overrides})
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """``vocab_size`` rounded up to a multiple of ``pad_vocab_multiple``."""
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def ffn_size(self) -> int:
+        """The resolved intermediate (feed-forward) width."""
+        return self.intermediate_size or 4 * self.hidden_size
+
+    def num_parameters(self, with_heads: bool = True) -> int:
+        """Analytic parameter count of :class:`BertForPreTraining` (tied decoder counted once),
+        or of :class:`BertModel` (encoder + pooler) when ``with_heads`` is False."""
+        H, I = self.hidden_size, self.ffn_size  # noqa: E741
+        learned = self.position_embedding == "learned"
+        embeddings = (self.padded_vocab_size + self.type_vocab_size) * H + 2 * H
+        embeddings += self.max_position_embeddings * H if learned else 0
+        layer = 4 * (H * H + H) + (H * I + I) + (I * H + H) + 2 * 2 * H
+        encoder = self.num_layers * layer + (2 * H if self.pre_layer_norm else 0)
+        total = embeddings + encoder + (H * H + H)  # + pooler
+        if with_heads:
+            total += (H * H + H) + 2 * H + self.padded_vocab_size  # transform, LN, bias
+            total += 2 * H + 2  # NSP classifier
+        return total
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """BERT's init for one module (use with ``model.apply``), as transformers' ``_init_weights``:
+    Linear/Embedding weights ~ N(0, std), zero biases, LayerNorm 1/0, padding row zero."""
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=std)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)
+
+
+def sinusoidal_table(num_positions: int, dim: int) -> Tensor:
+    """The Transformer's fixed position table [P, dim]: sin on even, cos on odd channels."""
+    position = torch.arange(num_positions, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(1e4) / dim))
+    table = torch.zeros(num_positions, dim)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq[: dim // 2])
+    return table
+
+
+class BertEmbeddings(nn.Module):
+    """Word + segment + position embeddings, then LayerNorm and dropout: [B, S] -> [B, S, H]."""
+
+    position_ids: Tensor
+    sinusoidal_table: Tensor  # only with position_embedding="sinusoidal"
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, H, padding_idx=cfg.pad_token_id)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, H)
+        self.position_embeddings: nn.Embedding | None = None
+        if cfg.position_embedding == "learned":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, H)
+        else:
+            table = sinusoidal_table(cfg.max_position_embeddings, H)
+            self.register_buffer("sinusoidal_table", table, persistent=False)
+        self.register_buffer(
+            "position_ids", torch.arange(cfg.max_position_embeddings), persistent=False
+        )
+        self.LayerNorm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
+        S = input_ids.shape[1]
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(self.position_ids[:S])
+        else:
+            x = x + self.sinusoidal_table[:S].to(x.dtype)
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    """Multi-head self-attention with SDPA: [B, S, H] -> [B, S, H] (before the output Linear)."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.dropout_p = cfg.attention_dropout
+        self.query = nn.Linear(H, H)
+        self.key = nn.Linear(H, H)
+        self.value = nn.Linear(H, H)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """``mask``: bool [B, 1, 1, S], True where a key is a real token (None: all real)."""
+        B, S, H = x.shape
+        q, k, v = (
+            proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+            for proj in (self.query, self.key, self.value)
+        )  # [B, A, S, D]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
+        )
+        return out.transpose(1, 2).reshape(B, S, H)
+
+
+class BertSelfOutput(nn.Module):
+    """Attention output projection, dropout and residual (+ LayerNorm when post-LN)."""
+
+    def __init__(self, cfg: BertModelConfig, in_features: int | None = None) -> None:
+        super().__init__()
+        self.post_ln = not cfg.pre_layer_norm
+        self.dense = nn.Linear(in_features or cfg.hidden_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, hidden: Tensor, residual: Tensor) -> Tensor:
+        """[B, S, in_features], [B, S, H] -> [B, S, H]."""
+        x = self.dropout(self.dense(hidden)) + residual
+        return self.LayerNorm(x) if self.post_ln else x
+
+
+class BertAttention(nn.Module):
+    """Self-attention sub-layer. Pre-LN applies ``output.LayerNorm`` to its input instead."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        self.pre_ln = cfg.pre_layer_norm
+        self.self = BertSelfAttention(cfg)
+        self.output = BertSelfOutput(cfg)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        """[B, S, H] -> [B, S, H]."""
+        h = self.output.LayerNorm(x) if self.pre_ln else x
+        return self.output(self.self(h, mask), x)
+
+
+class BertIntermediate(nn.Module):
+    """First feed-forward Linear with exact (erf) GELU: [B, S, H] -> [B, S, I]."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.ffn_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.dense(x))
+
+
+class BertOutput(BertSelfOutput):
+    """Second feed-forward Linear (I -> H), dropout and residual (+ LayerNorm when post-LN)."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__(cfg, in_features=cfg.ffn_size)
+
+
+class BertLayer(nn.Module):
+    """One transformer layer: attention then feed-forward, [B, S, H] -> [B, S, H]."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        self.pre_ln = cfg.pre_layer_norm
+        self.attention = BertAttention(cfg)
+        self.intermediate = BertIntermediate(cfg)
+        self.output = BertOutput(cfg)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        x = self.attention(x, mask)
+        h = self.output.LayerNorm(x) if self.pre_ln else x
+        return self.output(self.intermediate(h), x)
+
+
+class BertEncoder(nn.Module):
+    """The stack of layers, optionally checkpointed per layer: [B, S, H] -> [B, S, H]."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        self.activation_checkpointing = cfg.activation_checkpointing
+        self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_layers))
+        self.final_layer_norm: nn.LayerNorm | None = None
+        if cfg.pre_layer_norm:
+            self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layer:
+            x = checkpoint(layer, x, mask, use_reentrant=False) if recompute else layer(x, mask)
+        return self.final_layer_norm(x) if self.final_layer_norm is not None else x
+
+
+class BertPooler(nn.Module):
+    """Dense + tanh on the [CLS] token: [B, S, H] -> [B, H]."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+@dataclasses.dataclass
+class BertModelOutput:
+    sequence_output: Tensor
+    """Last layer's hidden states [B, S, H]."""
+    pooled_output: Tensor | None
+    """Pooled [CLS] representation [B, H]; None without a pooler."""
+
+
+class BertModel(nn.Module):
+    """Embeddings, encoder and pooler, initialised with BERT's init."""
+
+    def __init__(self, cfg: BertModelConfig, add_pooling_layer: bool = True) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embeddings = BertEmbeddings(cfg)
+        self.encoder = BertEncoder(cfg)
+        self.pooler = BertPooler(cfg) if add_pooling_layer else None
+        self.apply(functools.partial(init_weights, std=cfg.initializer_range))
+        with torch.no_grad():
+            self.embeddings.word_embeddings.weight[cfg.vocab_size :].zero_()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> BertModelOutput:
+        """``input_ids``/``token_type_ids`` long [B, S]; ``attention_mask`` [B, S], 1/True for
+        real tokens (None: all real; every row needs at least one real token)."""
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        x = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
+        pooled = self.pooler(x) if self.pooler is not None else None
+        return BertModelOutput(sequence_output=x, pooled_output=pooled)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    """Dense, GELU, LayerNorm before the vocabulary projection: [..., H] -> [..., H]."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.LayerNorm(F.gelu(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """MLM head: transform, then the vocabulary projection whose weight IS the word embedding
+    matrix (same Parameter) and whose bias is ``bias``: [..., H] -> [..., V] (padding sliced)."""
+
+    def __init__(self, cfg: BertModelConfig, word_embeddings: nn.Parameter) -> None:
+        super().__init__()
+        self.vocab_size = cfg.vocab_size
+        self.transform = BertPredictionHeadTransform(cfg)
+        self.bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size))
+        # built on meta (no memory), then both parameters are shared: decoder.weight is the
+        # embedding matrix, decoder.bias is ``bias`` (transformers ties both the same way)
+        self.decoder = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, device="meta")
+        self.decoder.weight = word_embeddings
+        self.decoder.bias = self.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.decoder(self.transform(x))[..., : self.vocab_size]
+
+
+class BertPreTrainingHeads(nn.Module):
+    """MLM head on token states and NSP classifier on the pooled state."""
+
+    def __init__(self, cfg: BertModelConfig, word_embeddings: nn.Parameter) -> None:
+        super().__init__()
+        self.predictions = BertLMPredictionHead(cfg, word_embeddings)
+        self.seq_relationship = nn.Linear(cfg.hidden_size, 2)
+
+    def forward(self, tokens: Tensor, pooled: Tensor) -> tuple[Tensor, Tensor]:
+        """[..., H], [B, H] -> MLM logits [..., V], NSP logits [B, 2]."""
+        return self.predictions(tokens), self.seq_relationship(pooled)
+
+
+@dataclasses.dataclass
+class PreTrainingOutput:
+    mlm_logits: Tensor
+    """[N, V] at ``mlm_positions``, or [B, S, V] when no positions were given."""
+    nsp_logits: Tensor
+    """[B, 2]; class 0 = B follows A, 1 = B is random."""
+    loss: Tensor | None = None
+    """mlm_loss + nsp_loss (only the terms whose labels were given)."""
+    mlm_loss: Tensor | None = None
+    """Mean fp32 cross-entropy over the MLM labels that are not -100."""
+    nsp_loss: Tensor | None = None
+    """Mean fp32 cross-entropy of the NSP classifier."""
+    mlm_correct: Tensor | None = None
+    """Detached count (long scalar) of MLM labels predicted right."""
+    mlm_count: Tensor | None = None
+    """Detached count of MLM labels that are not -100 (the accuracy's denominator)."""
+    nsp_correct: Tensor | None = None
+    """Detached count of NSP labels predicted right (denominator: B)."""
+
+
+class BertForPreTraining(nn.Module):
+    """BERT with MLM and NSP heads; the MLM head runs only at the masked positions."""
+
+    def __init__(self, cfg: BertModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.bert = BertModel(cfg)
+        word_embeddings = self.bert.embeddings.word_embeddings.weight
+        assert isinstance(word_embeddings, nn.Parameter)
+        self.cls = BertPreTrainingHeads(cfg, word_embeddings)
+        init = functools.partial(init_weights, std=cfg.initializer_range)
+        self.cls.predictions.transform.apply(init)
+        self.cls.seq_relationship.apply(init)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        mlm_positions: Tensor | None = None,
+        mlm_labels: Tensor | None = None,
+        nsp_labels: Tensor | None = None,
+    ) -> PreTrainingOutput:
+        """Inputs as :meth:`BertModel.forward`.
+
+        ``mlm_positions``: long [N], flat indices ``row * S + col`` into the batch's B*S
+        positions; ``mlm_labels``: long [N] original token ids there (-100 = ignore, for
+        padded fixed-size position lists). Without positions the head runs everywhere and
+        ``mlm_labels``, if given, is [B, S] with -100 at unmasked tokens (transformers' way).
+        ``nsp_labels``: long [B], 0 = B follows A, 1 = B is random.
+        """
+        out = self.bert(input_ids, token_type_ids, attention_mask)
+        tokens = out.sequence_output
+        if mlm_positions is not None:
+            tokens = tokens.reshape(-1, tokens.shape[-1]).index_select(0, mlm_positions)
+        assert out.pooled_output is not None
+        mlm_logits, nsp_logits = self.cls(tokens, out.pooled_output)
+        result = PreTrainingOutput(mlm_logits=mlm_logits, nsp_logits=nsp_logits)
+        if mlm_labels is not None:
+            logits, labels = mlm_logits.reshape(-1, mlm_logits.shape[-1]), mlm_labels.reshape(-1)
+            result.mlm_loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX)
+            with torch.no_grad():
+                result.mlm_correct = (logits.argmax(-1) == labels).sum()
+                result.mlm_count = (labels != IGNORE_INDEX).sum()
+        if nsp_labels is not None:
+            result.nsp_loss = F.cross_entropy(nsp_logits.float(), nsp_labels)
+            with torch.no_grad():
+                result.nsp_correct = (nsp_logits.argmax(-1) == nsp_labels).sum()
+        losses = [t for t in (result.mlm_loss, result.nsp_loss) if t is not None]
+        result.loss = sum(losses[1:], losses[0]) if losses else None
+        return result
