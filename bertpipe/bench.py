@@ -14,20 +14,29 @@ import sys
 # name -> (module with add_arguments(parser) and run_bench(args) -> dict, help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "preprocess": ("preprocessing.bench", "Beam job vs the tokenizer alone, one core"),
+    "model": ("training.bench_model", "forward+backward of our BERT vs transformers', CPU"),
+    "loader": ("training.bench_loader", "pre-training loader: decoded, collated instances/s"),
 }
 
 
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("bench", help="run a benchmark; prints one JSON line last")
-    which = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    for name, (module, help_text) in BENCHMARKS.items():
-        bench = which.add_parser(name, help=help_text, description=help_text)
-        # benchmark modules import only the standard library at module level
-        importlib.import_module(module).add_arguments(bench)
-        bench.set_defaults(handler=_run, bench_module=module)
+    listing = "\n".join(f"  {name:12s} {help_text}" for name, (_, help_text) in BENCHMARKS.items())
+    parser = sub.add_parser(
+        "bench",
+        help="run a benchmark; prints one JSON line last",
+        description=f"benchmarks:\n{listing}\n\n`bertpipe bench NAME --help` lists its options.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("benchmark", choices=sorted(BENCHMARKS), metavar="NAME")
+    # a benchmark's own options; its module (which may import torch) is loaded only to run it
+    parser.add_argument("options", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace, passthrough: list[str]) -> int:
-    result = importlib.import_module(args.bench_module).run_bench(args)
+    module = importlib.import_module(BENCHMARKS[args.benchmark][0])
+    parser = argparse.ArgumentParser(prog=f"bertpipe bench {args.benchmark}")
+    module.add_arguments(parser)
+    result = module.run_bench(parser.parse_args(args.options))
     sys.stdout.write(json.dumps(result) + "\n")
     return 0

@@ -29,8 +29,11 @@ T = TypeVar("T")
 COMMANDS: dict[str, str] = {
     "tokenizer": "preprocessing.cli:add_tokenizer_command",
     "preprocess": "preprocessing.cli:add_preprocess_command",
+    "pretrain": "training.cli:add_pretrain_command",
+    "export": "training.cli:add_export_command",
     "bench": "bertpipe.bench:add_bench_command",
     "demo": "bertpipe.demo:add_demo_command",
+    "plan": "training.cli_plan:add_plan_command",
 }
 
 
@@ -71,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--traceback", action="store_true", help="show the full traceback of input errors too"
     )
+    # the deepspeed launcher puts --local_rank=N right after the script; the rank is read
+    # from the environment it also sets
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for target in COMMANDS.values():
         module, func = target.split(":")

@@ -194,8 +194,7 @@ def bench_model(
     }
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="base")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
@@ -203,11 +202,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    from bertpipe.logs import setup_logging
 
-    setup_logging()
-    result = bench_model(
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    return bench_model(
         preset=args.preset,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
@@ -216,6 +214,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         threads=args.threads,
         seed=args.seed,
     )
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    from bertpipe.logs import setup_logging
+
+    setup_logging()
+    result = run_bench(args)
     print(json.dumps(result), flush=True)  # the one line of output callers parse
     return result
 

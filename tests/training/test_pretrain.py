@@ -1,0 +1,317 @@
+"""Pre-training end to end with real DeepSpeed on CPU: phases, metrics, resume, launch, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bertpipe.config import load_config, to_yaml
+from training import checkpoint as ckpt
+from training.config import PretrainConfig
+from training.trainer import run_pretraining
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _overrides(shards: Path, out: Path, uri: str, steps: int = 8, **extra: object) -> list[str]:
+    phases = (
+        "phases=["
+        f"{{name: phase1, data: {shards / 'seq64'}, max_steps: {steps}, micro_batch_size: 8,"
+        " global_batch_size: 16, learning_rate: 2.0e-3, warmup: 0.25},"
+        f" {{name: phase2, data: {shards / 'seq128'}, max_steps: 4, micro_batch_size: 4,"
+        " global_batch_size: 8, learning_rate: 1.0e-3, warmup: 0.25}]"
+    )
+    items = [
+        f"output={out}",
+        "model.preset=tiny",
+        "model.max_position_embeddings=128",
+        phases,
+        "precision=fp32",
+        "zero.stage=1",
+        "data.num_workers=0",
+        "log_every_steps=1",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=1",
+        "eval.max_batches=4",
+        f"tracking.uri={uri}",
+        "tracking.experiment=pretrain-tests",
+    ]
+    items += [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
+    return items
+
+
+def _cfg(*args: object, **kw: object) -> PretrainConfig:
+    return load_config(PretrainConfig, None, _overrides(*args, **kw))  # type: ignore[arg-type]
+
+
+def _history(uri: str, run_id: str, key: str) -> list[tuple[int, float]]:
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def _env() -> dict[str, str]:
+    """The environment of a child job: not the distributed settings of this process's job."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+@pytest.fixture(scope="module")
+def reference_run(
+    pretrain_shards: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, object]:
+    """Both phases, uninterrupted, in this process."""
+    out = tmp_path_factory.mktemp("reference")
+    uri = f"sqlite:///{out / 'mlflow.db'}"
+    cfg = _cfg(pretrain_shards, out / "run", uri, steps=24)
+    summary = run_pretraining(cfg)
+    state, _ = ckpt.read_state(cfg.checkpoint_dir, ckpt.latest_tag(cfg.checkpoint_dir), 0)
+    return {"cfg": cfg, "uri": uri, "summary": summary, "run_id": state.mlflow_run_id, "out": out}
+
+
+def test_two_phases_metrics_and_checkpoints(reference_run: dict) -> None:  # type: ignore[type-arg]
+    cfg, uri, run_id = reference_run["cfg"], reference_run["uri"], reference_run["run_id"]
+    summary = reference_run["summary"]
+    assert summary["phase1"]["steps"] == 24 and summary["phase2"]["global_step"] == 28
+    losses = [v for _, v in _history(uri, run_id, "train/loss")]
+    assert len(losses) == 28
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5  # visibly falling
+    import mlflow
+
+    run = mlflow.MlflowClient(tracking_uri=uri).get_run(run_id)
+    for key in (
+        "train/mlm_loss",
+        "train/nsp_loss",
+        "train/mlm_accuracy",
+        "train/nsp_accuracy",
+        "train/lr",
+        "train/grad_norm",
+        "train/samples_per_s",
+        "train/tokens_per_s",
+        "train/tflops_per_device",
+        "train/memory_rss_gb",
+        "eval/loss",
+        "eval/mlm_accuracy",
+    ):
+        assert key in run.data.metrics, key
+    assert run.data.tags["bertpipe.stage"] == "pretrain"
+    assert "bertpipe.data_manifest_sha256.phase1" in run.data.tags
+    assert run.data.params["zero.stage"] == "1"
+    # checkpoints: phase ends kept, older ones pruned, latest published
+    folder = Path(cfg.checkpoint_dir)
+    tags = sorted(p.name for p in folder.iterdir() if p.name.startswith("global_step"))
+    assert tags == ["global_step24", "global_step28"]
+    assert (folder / "latest").read_text() == "global_step28"
+    state = json.loads((folder / "global_step28" / "bertpipe_state.json").read_text())
+    assert (
+        state["phase"] == "phase2" and state["phase_complete"] and state["mlflow_run_id"] == run_id
+    )
+    # the warmup/decay schedule is the one configured
+    lrs = [v for _, v in _history(uri, run_id, "train/lr")]
+    assert lrs[0] == pytest.approx(2e-3 / 6) and max(lrs[:24]) == pytest.approx(2e-3)
+    assert lrs[24] == pytest.approx(1e-3)  # phase 2: warmup of 1 step
+
+
+def _pretrain_cmd(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "bertpipe.cli", "pretrain", *args]
+
+
+def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path) -> None:
+    """An uninterrupted run and a run stopped by SIGTERM then resumed log the same losses.
+
+    Both run in fresh single-threaded processes, as a real job does: CPU kernels may round
+    differently with another thread count or memory layout, which is not what this pins.
+    """
+    env = {**_env(), "OMP_NUM_THREADS": "1"}
+    reference = tmp_path / "reference"
+    ref_uri = f"sqlite:///{tmp_path / 'reference.db'}"
+    subprocess.run(
+        _pretrain_cmd(_overrides(pretrain_shards, reference, ref_uri, steps=24)),
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args = _overrides(pretrain_shards, tmp_path / "run", uri, steps=24)
+    proc = subprocess.Popen(
+        _pretrain_cmd(args), env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    )
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "phase1 step 5/" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=300) == 143, "".join(seen)[-3000:] + rest[-3000:]
+    folder = tmp_path / "run" / "checkpoints"
+    stopped_at = (folder / "latest").read_text()
+    assert 5 <= int(stopped_at.removeprefix("global_step")) < 24
+    # resume from `latest` in a fresh process
+    subprocess.run(_pretrain_cmd(args), env=env, check=True, capture_output=True)
+    state, _ = ckpt.read_state(str(folder), "global_step28", 0)
+    ref_state, _ = ckpt.read_state(str(reference / "checkpoints"), "global_step28", 0)
+    assert state.mlflow_run_id is not None
+    want = _history(ref_uri, ref_state.mlflow_run_id, "train/loss")
+    got = _history(uri, state.mlflow_run_id, "train/loss")
+    assert [s for s, _ in got] == list(range(1, 29))  # one run, every step once
+    assert got == want  # bit for bit
+
+
+def test_export_loads_in_transformers_with_same_logits(reference_run: dict, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    transformers = pytest.importorskip("transformers")
+    from training.export import export_checkpoint, load_checkpoint_model
+
+    cfg = reference_run["cfg"]
+    info = export_checkpoint(cfg.checkpoint_dir, str(tmp_path / "hf"))
+    assert info["global_step"] == 28
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "vocab.txt", "tokenizer.json"} <= names
+    ours, _ = load_checkpoint_model(cfg.checkpoint_dir)
+    hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    tok = transformers.BertTokenizerFast.from_pretrained(tmp_path / "hf")
+    enc = tok(
+        ["The state government said.", "Early"],
+        ["It was important.", "x"],
+        return_tensors="pt",
+        padding=True,
+    )
+    with torch.no_grad():
+        theirs = hf(**enc)
+        mine = ours(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"])
+    assert torch.allclose(theirs.prediction_logits, mine.mlm_logits, atol=1e-5)
+    assert torch.allclose(theirs.seq_relationship_logits, mine.nsp_logits, atol=1e-5)
+
+
+def _launch(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_two_ranks_zero2_two_nodes_and_universal_resume(
+    pretrain_shards: Path, tmp_path: Path
+) -> None:
+    """2 ranks on one node == 2 nodes of 1 rank (deepspeed --no_ssh --node_rank); a universal
+    checkpoint of that run resumes on 1 rank."""
+    bertpipe = shutil.which("bertpipe")
+    assert bertpipe, "bertpipe must be installed (make install)"
+    results = {}
+    for name in ("one_node", "two_nodes"):
+        out = tmp_path / name
+        out.mkdir()
+        uri = f"sqlite:///{out / 'mlflow.db'}"
+        cfg = _cfg(pretrain_shards, out / "run", uri, steps=6, zero__stage=2)
+        (out / "cfg.yaml").write_text(to_yaml(cfg))
+        script = [bertpipe, "pretrain", "--config", str(out / "cfg.yaml"), "only_phase=phase1"]
+        if name == "one_node":
+            procs = [
+                _launch(
+                    ["deepspeed", "--num_gpus", "2", "--master_port", "29631", *script], out / "log"
+                )
+            ]
+        else:
+            hostfile = out / "hostfile"
+            hostfile.write_text("node-a slots=1\nnode-b slots=1\n")
+            procs = [
+                _launch(
+                    [
+                        "deepspeed",
+                        "--hostfile",
+                        str(hostfile),
+                        "--no_ssh",
+                        "--node_rank",
+                        str(rank),
+                        "--master_addr",
+                        "127.0.0.1",
+                        "--master_port",
+                        "29632",
+                        *script,
+                    ],
+                    out / f"log{rank}",
+                )
+                for rank in (0, 1)
+            ]
+        for p in procs:
+            assert p.wait(timeout=600) == 0, (
+                (out / "log").read_text()[-3000:] if (out / "log").exists() else ""
+            )
+        state, _ = ckpt.read_state(str(out / "run" / "checkpoints"), "global_step6", 0)
+        assert state.world_size == 2
+        results[name] = _history(uri, state.mlflow_run_id, "train/loss")
+    assert len(results["one_node"]) == 6
+    assert results["one_node"] == results["two_nodes"]
+
+    # universal checkpoint: convert the 2-rank ZeRO-2 checkpoint, continue phase 1 on 1 rank
+    folder = tmp_path / "one_node" / "run" / "checkpoints"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.checkpoint.ds_to_universal",
+            "--input_folder",
+            str(folder / "global_step6"),
+            "--output_folder",
+            str(folder / "global_step6_universal"),
+        ],
+        env=_env(),
+        check=True,
+        capture_output=True,
+    )
+    shutil.copy(folder / "global_step6" / "bertpipe_state.json", folder / "global_step6_universal")
+    uri = f"sqlite:///{tmp_path / 'one_node' / 'mlflow.db'}"
+    cfg = _cfg(
+        pretrain_shards,
+        tmp_path / "one_node" / "run",
+        uri,
+        steps=8,
+        zero__stage=2,
+        checkpoint__resume="global_step6_universal",
+        checkpoint__universal="true",
+        only_phase="phase1",
+    )
+    run_pretraining(cfg)
+    state, _ = ckpt.read_state(str(folder), "global_step8", 0)
+    assert state.world_size == 1 and state.global_step == 8
+    history = _history(uri, state.mlflow_run_id, "train/loss")
+    assert [s for s, _ in history] == list(range(1, 9))
+    assert history[-1][1] < history[0][1]
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "fragment"),
+    [
+        (["phases[0].global_batch_size=20"], "phases[0].global_batch_size", "not a multiple"),
+        (["optimizer.name=lamb", "zero.stage=2"], "optimizer.name", "zero.stage=0"),
+        (["model.max_position_embeddings=64"], "phases[1].data", "positions"),
+    ],
+)
+def test_config_errors_before_training(
+    pretrain_shards: Path, tmp_path: Path, override: list[str], key: str, fragment: str
+) -> None:
+    from bertpipe.config import ConfigError
+
+    items = _overrides(pretrain_shards, tmp_path / "run", f"sqlite:///{tmp_path / 'db'}")
+    with pytest.raises(ConfigError) as info:
+        if override[0].startswith("phases[0]"):
+            cfg = load_config(PretrainConfig, None, items)
+            cfg.phases[0].global_batch_size = 20
+            cfg.check_world(1)
+        else:
+            run_pretraining(load_config(PretrainConfig, None, [*items, *override]))
+    assert info.value.key == key and fragment in str(info.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -1,0 +1,398 @@
+"""``bertpipe plan``: print what a pre-training config will do and need, starting nothing.
+
+The arithmetic lives in :mod:`training.plan`; this module parses the options and prints
+the plan as a table (or, with ``--json``, as one JSON object on the last line).
+
+Example, NVIDIA's BERT-Large LAMB recipe on 4 nodes x 8 H100 (``paper.yaml``)::
+
+    model: {preset: large}
+    precision: bf16
+    optimizer: {name: lamb}
+    zero: {stage: 0}
+    phases:
+      - {name: phase1, data: shards/seq128, max_steps: 7038, micro_batch_size: 64,
+         global_batch_size: 65536, learning_rate: 6.0e-3, warmup: 0.2843, decay: poly}
+      - {name: phase2, data: shards/seq512, max_steps: 1563, micro_batch_size: 16,
+         global_batch_size: 32768, learning_rate: 4.0e-3, warmup: 0.128, decay: poly}
+
+    $ bertpipe plan -c paper.yaml --nodes 4 --gpus-per-node 8 --gpu h100
+    bertpipe plan: nothing is started; every figure is an estimate (assumptions below)
+
+    model     BERT large: L24 H1024 A16 I4096, 336,232,258 parameters (336.2M)
+    vocab     30,522 (default: no manifest, no --vocab-size), padded to 30,528
+    world     32 GPUs = 4 nodes x 8 (--nodes/--gpus-per-node)
+    training  bf16, ZeRO stage 0, lamb, offload none, activation checkpointing off
+    gpu       h100: 989.4 TFLOP/s (training/flops.py dense bf16 peak), 79.6 GiB (...)
+
+                                        phase1                        phase2
+    data                                shards/seq128                 shards/seq512
+    max_seq_length                      128 (default by phase order)  512 (default by phase order)
+    micro x accum x world = global      64 x 32 x 32 = 65,536         16 x 64 x 32 = 32,768
+    tokens per step                     8,388,608                     16,777,216
+    steps (warmup)                      7,038 (2,001)                 1,563 (200)
+    peak learning rate                  0.006                         0.004
+    samples                             461,242,368                   51,216,384
+    tokens                              59.04B                        26.22B
+    masked positions per sequence       20                            77
+    instances in the data               data not found                data not found
+    ...
+    memory per GPU, GiB
+      parameters                        0.63                          0.63
+      gradients                         0.63                          0.63
+      optimizer states                  3.76                          3.76
+      activations (one micro batch)     6.77                          6.76
+      communication buckets             0.63                          0.63
+      CUDA context/workspace (assumed)  1.50                          1.50
+      total                             13.91                         13.89
+      fits 79.6 GiB                     yes, 65.7 free                yes, 65.7 free
+    time (MFU 0.40)
+      training FLOPs per step           1.58e+16                      3.34e+16
+      compute per step                  1.245 s                       2.639 s
+      communication link                inter-node, 100 Gb/s per GPU  inter-node, 100 Gb/s per GPU
+      communication per step            1.30 GB, 0.104 s              1.30 GB, 0.104 s
+      exposed communication             0.104 s                       0.104 s
+      time per step                     1.350 s                       2.743 s
+      time for the phase (h:mm)         2:38                          1:11
+    total time (h:mm)                   3:50
+
+    assumptions:
+      - ... (every assumption behind the figures, one per line)
+
+The same run with AdamW under ZeRO-2 (``optimizer.name=adamw zero.stage=2``) needs less
+memory (9.2 GiB: optimizer states and gradients split 32 ways) but, with 32 and 64
+accumulation steps, DeepSpeed reduce-scatters the gradients after every micro batch:
+21.5 GB per GPU per phase-1 step instead of 1.3 GB, 1.7 s more per step at 100 Gb/s
+(0.43 s at 400 Gb/s) unless overlapped; total 8:25 (4:47 at ``--inter-node-gbps 400``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from bertpipe.cli import add_config_arguments, config_from_args
+from bertpipe.errors import BertpipeError
+
+__all__ = ["add_plan_command", "parse_seq_lens", "render_plan"]
+
+_LABEL_WIDTH = 36
+
+
+def add_plan_command(sub: argparse._SubParsersAction) -> None:
+    """Register ``bertpipe plan``."""
+    parser = sub.add_parser(
+        "plan",
+        help="print world size, batch arithmetic, data per rank, memory and time per phase",
+        description=(
+            "Reads the pretrain config (and each phase's manifest.json where it exists) and "
+            "prints, without starting anything: world size, micro x accumulation x world = "
+            "global batch, tokens per step, steps and warmup, data per rank, the per-GPU "
+            "memory for the chosen ZeRO stage and precision and, with --gpu, the time. "
+            "Every assumption is printed with the plan."
+        ),
+    )
+    add_config_arguments(parser)
+    parser.add_argument("--nodes", type=int, default=None, help="nodes (default: from WORLD_SIZE)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: LOCAL_WORLD_SIZE)"
+    )
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        help="GPU type for peak FLOP/s and memory: h100, h100-pcie, h200, a100-80g, a100-40g, "
+        "v100-32g, a10g, l4, l40s, t4 (no time estimate without it)",
+    )
+    parser.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=None,
+        help="GPU memory in GiB (2^30 bytes; default: from --gpu)",
+    )
+    parser.add_argument(
+        "--mfu", type=float, default=0.40, help="assumed model FLOP utilisation (default 0.40)"
+    )
+    parser.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=100.0,
+        help="achieved inter-node bandwidth per GPU in Gbit/s (default 100; a DGX-class node "
+        "with a 400 Gb/s NIC per GPU: up to 400)",
+    )
+    parser.add_argument(
+        "--intra-node-gbps",
+        type=float,
+        default=2400.0,
+        help="achieved NVLink bus bandwidth per GPU in Gbit/s (default 2400 = 300 GB/s)",
+    )
+    parser.add_argument(
+        "--overlap",
+        type=float,
+        default=0.0,
+        help="fraction 0..1 of the communication hidden behind compute (default 0)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        action="append",
+        default=[],
+        metavar="N[,N...]",
+        help="sequence length per phase, in order, where a phase has no manifest "
+        "(default 128, 512)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary size where no manifest gives it (default 30522)",
+    )
+    parser.add_argument(
+        "--cuda-overhead-gb",
+        type=float,
+        default=1.5,
+        help="CUDA context/workspace allowance per GPU in GiB (default 1.5)",
+    )
+    parser.add_argument(
+        "--attention-scores",
+        action="store_true",
+        help="count stored s x s attention scores (eager attention) in the activations",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.set_defaults(handler=_plan)
+
+
+def parse_seq_lens(values: list[str]) -> tuple[int, ...]:
+    """``["128,512"]`` or ``["128", "512"]`` -> ``(128, 512)``."""
+    out: list[int] = []
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                out.append(int(part))
+            except ValueError:
+                raise BertpipeError(f"--seq-len {value!r}: expected integers") from None
+    return tuple(out)
+
+
+def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from training.config import PretrainConfig
+    from training.plan import PlanOptions, make_plan
+
+    cfg = config_from_args(PretrainConfig, args)
+    if cfg is None:
+        return 0
+    options = PlanOptions(
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        gpu=args.gpu,
+        gpu_memory_gib=args.gpu_memory_gb,
+        mfu=args.mfu,
+        inter_node_gbps=args.inter_node_gbps,
+        intra_node_gbps=args.intra_node_gbps,
+        overlap=args.overlap,
+        seq_lens=parse_seq_lens(args.seq_len),
+        vocab_size=args.vocab_size,
+        cuda_overhead_gib=args.cuda_overhead_gb,
+        attention_scores_stored=args.attention_scores,
+    )
+    plan = make_plan(cfg, options, os.environ)
+    if args.json:
+        sys.stdout.write(json.dumps(plan.to_dict()) + "\n")
+    else:
+        sys.stdout.write(render_plan(plan))
+    return 0
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render_plan(plan: object) -> str:
+    """The plan as a readable table, one column per phase."""
+    from training.plan import GIB, Plan, format_hmm
+
+    assert isinstance(plan, Plan)
+    m = plan.model
+    lines = ["bertpipe plan: nothing is started; every figure is an estimate (assumptions below)"]
+    lines.append("")
+    lines.append(
+        f"model     BERT {m.preset}: L{m.num_layers} H{m.hidden_size} A{m.num_heads} "
+        f"I{m.intermediate_size}, {m.num_parameters:,} parameters ({m.num_parameters / 1e6:.1f}M)"
+    )
+    lines.append(
+        f"vocab     {m.vocab_size:,} ({m.vocab_source}), padded to {m.padded_vocab_size:,}"
+    )
+    nodes = f"{plan.nodes} node{'s' if plan.nodes > 1 else ''}"
+    lines.append(
+        f"world     {plan.world_size} GPU{'s' if plan.world_size > 1 else ''} = {nodes} x "
+        f"{plan.gpus_per_node} ({plan.world_source})"
+    )
+    checkpointing = "on" if m.activation_checkpointing else "off"
+    lines.append(
+        f"training  {plan.precision}, ZeRO stage {plan.zero_stage}, {plan.optimizer}, "
+        f"offload {plan.offload_optimizer}, activation checkpointing {checkpointing}"
+    )
+    gpu = plan.gpu or "not given (--gpu)"
+    if plan.peak_tflops is not None:
+        gpu += f": {plan.peak_tflops:g} TFLOP/s ({plan.peak_source})"
+    if plan.gpu_memory_gib is not None:
+        gpu += f", {plan.gpu_memory_gib:g} GiB ({plan.gpu_memory_source})"
+    lines.append(f"gpu       {gpu}")
+    lines.append("")
+
+    rows: list[tuple[str, list[str]]] = [("", [p.name for p in plan.phases])]
+    phases = plan.phases
+    rows.append(("data", [p.data.url for p in phases]))
+    rows.append(("max_seq_length", [f"{p.seq_len} ({p.seq_len_source})" for p in phases]))
+    rows.append(
+        (
+            "micro x accum x world = global",
+            [
+                f"{p.micro_batch_size} x {p.accumulation} x {p.world_size} = "
+                f"{p.global_batch_size:,}"
+                for p in phases
+            ],
+        )
+    )
+    rows.append(("tokens per step", [f"{p.tokens_per_step:,}" for p in phases]))
+    rows.append(("steps (warmup)", [f"{p.max_steps:,} ({p.warmup_steps:,})" for p in phases]))
+    rows.append(("peak learning rate", [f"{p.learning_rate:g}" for p in phases]))
+    rows.append(("samples", [f"{p.samples:,}" for p in phases]))
+    rows.append(("tokens", [_si(p.tokens) for p in phases]))
+    rows.append(("masked positions per sequence", [str(p.num_masked) for p in phases]))
+    missing = "data not found"
+    rows.append(
+        (
+            "instances in the data",
+            [f"{p.data.instances:,}" if p.data.found else missing for p in phases],
+        )
+    )
+    rows.append(
+        (
+            "epochs of the data",
+            [f"{p.data.epochs:.2f}" if p.data.epochs is not None else missing for p in phases],
+        )
+    )
+    rows.append(
+        (
+            "shards (per rank)",
+            [
+                f"{p.data.num_shards} ({p.data.shards_per_rank:g})" if p.data.found else missing
+                for p in phases
+            ],
+        )
+    )
+    rows.append(
+        (
+            "batches per rank per epoch",
+            [
+                f"{p.data.batches_per_rank_per_epoch:,} ({p.data.readers_per_rank} reader(s))"
+                if p.data.found
+                else missing
+                for p in phases
+            ],
+        )
+    )
+    rows.append(
+        (
+            "instances used per epoch",
+            [
+                f"{p.data.instances_used_per_epoch:,}"
+                f" ({100 * (p.data.instances_used_per_epoch or 0) / (p.data.instances or 1):.1f}%)"
+                if p.data.found
+                else missing
+                for p in phases
+            ],
+        )
+    )
+    rows.append(
+        (
+            "optimizer steps per epoch",
+            [f"{p.data.steps_per_epoch:,}" if p.data.found else missing for p in phases],
+        )
+    )
+    rows.append(("memory per GPU, GiB", ["" for _ in phases]))
+    for label, attr in (
+        ("parameters", "parameters"),
+        ("gradients", "gradients"),
+        ("optimizer states", "optimizer_states"),
+        ("activations (one micro batch)", "activations"),
+        ("communication buckets", "buffers"),
+        ("CUDA context/workspace (assumed)", "cuda_overhead"),
+        ("total", "total"),
+    ):
+        rows.append((f"  {label}", [f"{getattr(p.memory, attr) / GIB:.2f}" for p in phases]))
+    if any(p.memory.host_optimizer_states for p in phases):
+        rows.append(
+            (
+                "  host memory per GPU (offload)",
+                [f"{p.memory.host_optimizer_states / GIB:.2f}" for p in phases],
+            )
+        )
+    if plan.gpu_memory_gib is not None:
+        rows.append(
+            (
+                f"  fits {plan.gpu_memory_gib:g} GiB",
+                [
+                    f"yes, {(p.memory.capacity or 0) / GIB - p.memory.total / GIB:.1f} free"
+                    if p.memory.fits
+                    else "NO"
+                    for p in phases
+                ],
+            )
+        )
+    else:
+        rows.append(("  fits", ["unknown: give --gpu or --gpu-memory-gb" for _ in phases]))
+    if all(p.time is not None for p in phases) and phases:
+        rows.append((f"time (MFU {plan.mfu:.2f})", ["" for _ in phases]))
+        timed = [p.time for p in phases if p.time is not None]
+        rows.append(("  training FLOPs per step", [f"{t.flops_per_step:.3g}" for t in timed]))
+        rows.append(("  compute per step", [f"{t.compute_s:.3f} s" for t in timed]))
+        rows.append(("  communication link", [_link(t) for t in timed]))
+        rows.append(
+            (
+                "  communication per step",
+                [f"{t.comm_bytes_per_gpu / 1e9:.2f} GB, {t.comm_s:.3f} s" for t in timed],
+            )
+        )
+        rows.append(("  exposed communication", [f"{t.exposed_comm_s:.3f} s" for t in timed]))
+        rows.append(("  time per step", [f"{t.step_s:.3f} s" for t in timed]))
+        rows.append(("  time for the phase (h:mm)", [format_hmm(t.phase_s) for t in timed]))
+    lines += _table(rows)
+    if plan.total_time_s is not None:
+        lines.append(f"{'total time (h:mm)':<{_LABEL_WIDTH}}{plan.total_time_hmm}")
+    else:
+        lines.append("time: not estimated (give --gpu with a known peak, or device_peak_tflops)")
+    lines.append("")
+    lines.append("assumptions:")
+    lines += [f"  - {a}" for a in plan.assumptions]
+    if plan.warnings:
+        lines.append("warnings:")
+        lines += [f"  - {w}" for w in plan.warnings]
+    return "\n".join(lines) + "\n"
+
+
+def _table(rows: list[tuple[str, list[str]]]) -> list[str]:
+    widths = [max(len(values[i]) for _, values in rows) + 2 for i in range(len(rows[0][1]))]
+    out = []
+    for label, values in rows:
+        cells = "".join(f"{v:<{w}}" for v, w in zip(values, widths, strict=True))
+        out.append(f"{label:<{_LABEL_WIDTH}}{cells}".rstrip())
+    return out
+
+
+def _link(t: object) -> str:
+    from training.plan import StepTime
+
+    assert isinstance(t, StepTime)
+    if t.link == "none":
+        return "none (one GPU)"
+    return f"{t.link}, {t.bandwidth_gbps:g} Gb/s per GPU"
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{unit}"
+    return f"{value:g}"

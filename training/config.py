@@ -1,0 +1,285 @@
+"""``bertpipe pretrain`` / ``bertpipe plan``: the typed pre-training config.
+
+One file describes the whole run: the model, one or two phases (each with its data, batch,
+steps and learning-rate schedule), the optimizer, ZeRO and precision, checkpoints, evaluation
+and tracking. The DeepSpeed JSON is generated from it (:mod:`training.engine`), never kept by
+hand. Everything that can be checked without GPUs is checked here, before any process is
+launched: batch arithmetic against the world size, schedule lengths, optimizer/ZeRO
+combinations, sequence lengths against the model's positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bertpipe.config import ConfigError
+from bertpipe.tracking import TrackingConfig
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "EvalConfig",
+    "ModelSpec",
+    "OptimizerConfig",
+    "PhaseSpec",
+    "PretrainConfig",
+    "ZeroConfig",
+]
+
+PRESET_NAMES = ("tiny", "mini", "small", "medium", "base", "large")
+
+
+@dataclass
+class ModelSpec:
+    """Which BERT to train: a size preset, optional changes, or weights to start from."""
+
+    preset: Literal["tiny", "mini", "small", "medium", "base", "large"] = "base"
+    """Google's published sizes: tiny L2/H128, mini L4/H256, small L4/H512, medium L8/H512,
+    base L12/H768, large L24/H1024."""
+    num_layers: int | None = None
+    """Override the preset's layer count."""
+    hidden_size: int | None = None
+    """Override the preset's hidden size."""
+    num_heads: int | None = None
+    """Override the preset's head count."""
+    intermediate_size: int | None = None
+    """Feed-forward width; null means 4 x hidden."""
+    max_position_embeddings: int = 512
+    """Longest sequence any phase may use."""
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    pre_layer_norm: bool = False
+    """Pre-LN instead of the paper's post-LN (not exportable to transformers)."""
+    position_embedding: Literal["learned", "sinusoidal"] = "learned"
+    activation_checkpointing: bool = False
+    """Recompute layer activations in the backward pass (less memory, ~1/3 more compute)."""
+    init_from: str | None = None
+    """Start from weights: an HF BERT folder (config.json + model.safetensors) or a bertpipe
+    export. Null: BERT initialisation (normal, std 0.02)."""
+
+    def overrides(self) -> dict[str, object]:
+        """Fields to pass on top of the preset to ``BertModelConfig``."""
+        out: dict[str, object] = {
+            "max_position_embeddings": self.max_position_embeddings,
+            "hidden_dropout": self.hidden_dropout,
+            "attention_dropout": self.attention_dropout,
+            "pre_layer_norm": self.pre_layer_norm,
+            "position_embedding": self.position_embedding,
+            "activation_checkpointing": self.activation_checkpointing,
+        }
+        for key in ("num_layers", "hidden_size", "num_heads", "intermediate_size"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+@dataclass
+class PhaseSpec:
+    """One pre-training phase: its data, batch, length and learning-rate schedule."""
+
+    name: str = "phase1"
+    """Name used in logs, checkpoints and MLflow metrics (``phase1/loss``)."""
+    data: str = "runs/shards/seq128"
+    """Folder of the phase's shards (with manifest.json), any fsspec URL."""
+    max_steps: int = 1000
+    """Optimizer steps in this phase."""
+    micro_batch_size: int = 32
+    """Sequences per GPU per forward pass."""
+    global_batch_size: int = 256
+    """Sequences per optimizer step over all GPUs: micro x accumulation x world size."""
+    learning_rate: float = 1e-4
+    """Peak learning rate, reached at the end of warmup."""
+    warmup: float = 0.01
+    """Warmup length: a fraction of max_steps if < 1, else a number of steps."""
+    decay: Literal["linear", "poly"] = "linear"
+    """After warmup, decay to zero linearly (the paper) or as (1 - progress)^power (NVIDIA)."""
+    decay_power: float = 0.5
+    """Exponent of the poly decay."""
+    optimizer_state: Literal["keep", "reset"] = "keep"
+    """For a phase after the first: keep the optimizer moments of the previous phase (as
+    NVIDIA's BERT recipe does) or start them afresh. The schedule always restarts."""
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError("name", "must be a plain name such as phase1")
+        for key in ("max_steps", "micro_batch_size", "global_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, "must be at least 1")
+        if self.learning_rate <= 0:
+            raise ConfigError("learning_rate", "must be positive")
+        if self.warmup < 0:
+            raise ConfigError("warmup", "must not be negative")
+        if self.warmup >= 1 and self.warmup != int(self.warmup):
+            raise ConfigError("warmup", "is a fraction (< 1) or a whole number of steps")
+        if self.warmup_steps() > self.max_steps:
+            raise ConfigError("warmup", f"{self.warmup_steps()} steps exceed max_steps")
+
+    def warmup_steps(self) -> int:
+        return round(self.warmup * self.max_steps) if self.warmup < 1 else int(self.warmup)
+
+    def accumulation(self, world_size: int) -> int:
+        """Gradient accumulation steps for ``world_size``; raises if the batch does not divide."""
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                "global_batch_size",
+                f"{self.global_batch_size} is not a multiple of micro_batch_size x world size = "
+                f"{self.micro_batch_size} x {world_size} = {per_step}; choose a multiple, e.g. "
+                f"{per_step * max(1, round(self.global_batch_size / per_step))}",
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer (shared by all phases; each phase has its own peak learning rate)."""
+
+    name: Literal["adamw", "lamb"] = "adamw"
+    """``adamw``: DeepSpeed's fused Adam on GPU, its CPU Adam with optimizer offload, torch's
+    AdamW otherwise. ``lamb``: LAMB with per-layer trust ratios (ZeRO stage 0 only, see
+    training/optim.py)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-6
+    """BERT's epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm (0 disables)."""
+
+    def __post_init__(self) -> None:
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError("betas", "must be in [0, 1)")
+        if self.eps <= 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ConfigError("eps", "eps must be positive, weight_decay and max_grad_norm >= 0")
+
+
+@dataclass
+class ZeroConfig:
+    """DeepSpeed ZeRO."""
+
+    stage: int = 1
+    """0 (plain data parallel), 1 (optimizer states), 2 (+ gradients), 3 (+ parameters)."""
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """Keep optimizer states and step on the CPU (stages 1-3)."""
+    overlap_comm: bool = True
+    contiguous_gradients: bool = True
+    bucket_size: int = 50_000_000
+    """Elements per reduce/all-gather bucket."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3):
+            raise ConfigError("stage", "must be 0, 1, 2 or 3")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ConfigError("offload_optimizer", "needs ZeRO stage 1, 2 or 3")
+
+
+@dataclass
+class DataConfig:
+    """How batches are read."""
+
+    num_workers: int = 2
+    """Loader worker processes per rank (0: read in the training process)."""
+    shuffle_blocks: int = 4
+    """Blocks (samples of instances) mixed in a rank's shuffle buffer."""
+    heldout_split: str = "heldout"
+    """Split evaluated during pre-training."""
+
+
+@dataclass
+class EvalConfig:
+    """Periodic evaluation on the held-out shards."""
+
+    every_steps: int = 0
+    """Evaluate every N optimizer steps and at the end of each phase (0: only at the end)."""
+    max_batches: int = 50
+    """Batches per rank per evaluation (0: the whole held-out split)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """DeepSpeed checkpoints: the engine's own layout plus bertpipe's client state."""
+
+    dir: str | None = None
+    """Checkpoint folder; null: ``<output>/checkpoints``."""
+    every_steps: int = 500
+    """Save every N optimizer steps (0: only at phase ends and on SIGTERM)."""
+    keep_last: int = 3
+    """Keep this many newest checkpoints (phase-end ones are always kept)."""
+    resume: str = "auto"
+    """``auto``: continue from ``latest`` if there is one; ``none``: start fresh (refuses a
+    folder that holds checkpoints); or a checkpoint tag such as ``global_step300``."""
+    universal: bool = False
+    """Resume from a universal checkpoint, to continue on another world size. Convert first
+    with DeepSpeed's ``python -m deepspeed.checkpoint.ds_to_universal --input_folder
+    <dir>/global_stepN --output_folder <dir>/global_stepN_universal``, then resume with
+    ``checkpoint.resume=global_stepN_universal checkpoint.universal=true``."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise ConfigError("keep_last", "must be at least 1")
+
+
+@dataclass
+class PretrainConfig:
+    """``bertpipe pretrain``: BERT pre-training with DeepSpeed, one or two phases."""
+
+    output: str = "runs/pretrain"
+    """Run folder: resolved config, checkpoints, exports."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    phases: list[PhaseSpec] = field(default_factory=lambda: [PhaseSpec()])
+    """Phases in order; a later phase starts from the previous phase's weights."""
+    only_phase: str | None = None
+    """Run just this phase (it resumes from the previous phase's final checkpoint)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: Literal["fp32", "fp16", "bf16"] = "bf16"
+    """fp16 uses a dynamic loss scale; bf16 and fp32 none."""
+    loss_scale_power: int = 16
+    """fp16: the initial dynamic loss scale is 2^this."""
+    seed: int = 42
+    """Seeds the model init, dropout and the data order."""
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log_every_steps: int = 10
+    """Log metrics every N optimizer steps."""
+    device_peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device at the chosen precision, for MFU; null: looked up
+    from the device name (unknown devices get no MFU)."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ConfigError("phases", "list at least one phase")
+        names = [p.name for p in self.phases]
+        if len(set(names)) != len(names):
+            raise ConfigError("phases", f"phase names must be unique, got {names}")
+        if self.only_phase is not None and self.only_phase not in names:
+            raise ConfigError("only_phase", f"must be one of {names}")
+        if self.optimizer.name == "lamb" and self.zero.stage > 0:
+            raise ConfigError(
+                "optimizer.name",
+                "lamb needs zero.stage=0: under ZeRO >= 1 an optimizer sees flat partitions of "
+                "many layers, so per-layer trust ratios would silently be per-partition; use "
+                "adamw with ZeRO, or LAMB without",
+            )
+        if self.log_every_steps < 1:
+            raise ConfigError("log_every_steps", "must be at least 1")
+
+    @property
+    def checkpoint_dir(self) -> str:
+        from bertpipe import fsio
+
+        return self.checkpoint.dir or fsio.join(self.output, "checkpoints")
+
+    def check_world(self, world_size: int) -> dict[str, int]:
+        """Batch arithmetic for ``world_size``: phase name -> accumulation steps."""
+        out = {}
+        for i, phase in enumerate(self.phases):
+            try:
+                out[phase.name] = phase.accumulation(world_size)
+            except ConfigError as exc:
+                raise exc.with_prefix(f"phases[{i}]") from None
+        return out

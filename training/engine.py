@@ -1,0 +1,134 @@
+"""DeepSpeed: distributed set-up, the generated ds_config, and the engine for a phase.
+
+The DeepSpeed JSON is a function of the typed config and the world size (:func:`ds_config`),
+logged with every run; there are no hand-kept JSON files. The learning rate follows a
+``LambdaLR`` schedule that DeepSpeed steps once per optimizer step and saves in its
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.config import PhaseSpec, PretrainConfig
+from training.optim import build_optimizer, lr_lambda
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DistInfo", "build_engine", "ds_config", "init_distributed"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(timeout_minutes: int = 30) -> DistInfo:
+    """Join the job started by a launcher, or form a one-process job when run directly.
+
+    The ``deepspeed`` launcher (and torchrun, SLURM with the usual exports, the Kubernetes
+    manifests in infra/) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
+    Without them this process is rank 0 of 1 on a free local port. NCCL on GPUs, gloo on CPU.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(
+            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+        )
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=accelerator.communication_backend_name(),
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    if accelerator.device_name() == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device(accelerator.device_name())
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def ds_config(cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of ``phase`` on ``world_size`` processes."""
+    accumulation = phase.accumulation(world_size)
+    zero: dict[str, Any] = {
+        "stage": cfg.zero.stage,
+        "overlap_comm": cfg.zero.overlap_comm,
+        "contiguous_gradients": cfg.zero.contiguous_gradients,
+        "reduce_bucket_size": cfg.zero.bucket_size,
+        "allgather_bucket_size": cfg.zero.bucket_size,
+    }
+    if cfg.zero.offload_optimizer == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_batch_size": phase.global_batch_size,
+        "train_micro_batch_size_per_gpu": phase.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        "gradient_clipping": cfg.optimizer.max_grad_norm,
+        "zero_optimization": zero,
+        # torch's AdamW and bertpipe's LAMB are client optimizers; ZeRO needs to be told
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,  # bertpipe logs; DeepSpeed stays quiet
+        "wall_clock_breakdown": False,
+        "checkpoint": {"load_universal": cfg.checkpoint.universal},
+    }
+    if cfg.precision == "fp16":
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # dynamic
+            "initial_scale_power": cfg.loss_scale_power,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
+    elif cfg.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def build_engine(
+    model: nn.Module, cfg: PretrainConfig, phase: PhaseSpec, world_size: int
+) -> tuple[Any, dict[str, Any]]:
+    """Wrap ``model`` in a DeepSpeed engine for ``phase``; returns (engine, ds_config)."""
+    import deepspeed
+
+    config = ds_config(cfg, phase, world_size)
+    optimizer = build_optimizer(
+        model, cfg.optimizer, phase.learning_rate, offload=cfg.zero.offload_optimizer == "cpu"
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(phase))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+    )
+    return engine, config

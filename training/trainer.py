@@ -1,0 +1,626 @@
+"""The pre-training loop: phases, DeepSpeed steps, metrics, evaluation, checkpoints.
+
+Run by ``bertpipe pretrain`` on every rank (the ``deepspeed`` launcher starts one process per
+GPU, on every node). Phases run in order; a later phase builds a fresh engine for its own
+batch and schedule and starts from the previous phase's final checkpoint (module weights,
+plus optimizer moments with ``optimizer_state: keep``). ``checkpoint.resume=auto`` continues
+a run from its ``latest`` checkpoint: model, optimizer, LR schedule (DeepSpeed's state),
+data position, every rank's RNG states and the MLflow run id (bertpipe's state), so a
+resumed run on CPU in fp32 reproduces the uninterrupted run's losses exactly.
+
+A SIGTERM (preemption) is turned into a flag that all ranks agree on at the next optimizer
+step; the run then saves a checkpoint and exits with status 143.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bertpipe import fsio, tracking
+from bertpipe.config import ConfigError, to_dict, to_yaml
+from bertpipe.errors import BertpipeError
+from bertpipe.progress import ProgressLine
+from training import checkpoint as ckpt
+from training.config import PhaseSpec, PretrainConfig
+from training.engine import DistInfo, build_engine, ds_config, init_distributed
+from training.flops import mfu, peak_flops, training_flops_per_sequence
+from training.model import BertForPreTraining, BertModelConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PreemptedError", "run_pretraining"]
+
+PREEMPTED_EXIT_CODE = 143
+
+
+class PreemptedError(Exception):
+    """The run was asked to stop (SIGTERM) and saved a checkpoint."""
+
+
+class DataMismatchError(BertpipeError):
+    """The phases' data do not fit together or the model."""
+
+
+@dataclass
+class PhaseData:
+    """What a phase's manifest says."""
+
+    url: str
+    manifest: dict[str, Any]
+    sha256: str
+
+    @property
+    def max_seq_length(self) -> int:
+        return int(self.manifest["max_seq_length"])
+
+
+def read_phase_data(phase: PhaseSpec, key: str) -> PhaseData:
+    import hashlib
+
+    url = fsio.join(phase.data, "manifest.json")
+    try:
+        with fsio.open_url(url, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{key}.data", f"{url} does not exist: run `bertpipe preprocess` for this phase first"
+        ) from None
+    manifest = json.loads(raw)
+    if manifest.get("format") != "bertpipe.instances":
+        raise DataMismatchError(f"{url} is not a bertpipe shard manifest")
+    return PhaseData(phase.data, manifest, hashlib.sha256(raw).hexdigest())
+
+
+def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> BertModelConfig:
+    """The model's config: the preset, the config's changes, the data's vocabulary."""
+    first = data[0].manifest
+    for d in data[1:]:
+        if d.manifest["tokenizer_sha256"] != first["tokenizer_sha256"]:
+            raise DataMismatchError(
+                f"{d.url} was made with another tokenizer than {data[0].url}: all phases must "
+                "share one tokenizer"
+            )
+    if cfg.model.init_from:
+        from training.hf import load_hf_folder
+
+        model_cfg, _ = load_hf_folder(cfg.model.init_from)
+        # the architecture is the checkpoint's; how it is trained is this config's
+        model_cfg = dataclasses.replace(
+            model_cfg,
+            hidden_dropout=cfg.model.hidden_dropout,
+            attention_dropout=cfg.model.attention_dropout,
+            activation_checkpointing=cfg.model.activation_checkpointing,
+        )
+        if model_cfg.vocab_size != first["vocab_size"]:
+            raise DataMismatchError(
+                f"model.init_from has a vocabulary of {model_cfg.vocab_size}, the data "
+                f"{first['vocab_size']}: use the tokenizer the model was trained with"
+            )
+    else:
+        model_cfg = BertModelConfig.preset(
+            cfg.model.preset,
+            vocab_size=int(first["vocab_size"]),
+            pad_token_id=int(first["special_token_ids"]["pad"]),
+            **cfg.model.overrides(),
+        )
+    for i, d in enumerate(data):
+        if d.max_seq_length > model_cfg.max_position_embeddings:
+            raise ConfigError(
+                f"phases[{i}].data",
+                f"holds sequences of {d.max_seq_length} tokens but the model has "
+                f"{model_cfg.max_position_embeddings} positions: raise "
+                "model.max_position_embeddings",
+            )
+    return model_cfg
+
+
+class _StopFlag:
+    """Set by SIGTERM; checked collectively at every optimizer step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def install(self) -> None:
+        self._previous = signal.signal(signal.SIGTERM, self._handler)
+
+    def uninstall(self) -> None:
+        signal.signal(signal.SIGTERM, getattr(self, "_previous", signal.SIG_DFL))
+
+    def _handler(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def agreed(self, device: torch.device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)
+
+
+class _Window:
+    """Sums over the optimizer steps since the last log line (this rank), kept on the device
+    so that logging does not force a synchronisation at every micro-step."""
+
+    FIELDS = (
+        "loss",
+        "mlm_loss",
+        "nsp_loss",
+        "mlm_correct",
+        "mlm_count",
+        "nsp_correct",
+        "sequences",
+        "tokens",
+        "flops",
+    )
+
+    def __init__(self, device: torch.device) -> None:
+        self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+        self.steps = 0
+        self.lr = 0.0
+        self.started = time.monotonic()
+
+    def add(
+        self, out: Any, batch: dict[str, torch.Tensor], flops: float, accumulation: int
+    ) -> None:
+        values = torch.stack(
+            [
+                out.loss.detach().double() / accumulation,
+                out.mlm_loss.detach().double() / accumulation,
+                out.nsp_loss.detach().double() / accumulation,
+                out.mlm_correct.double(),
+                out.mlm_count.double(),
+                out.nsp_correct.double(),
+            ]
+        )
+        self.sums[:6] += values
+        self.sums[6] += batch["input_ids"].shape[0]
+        self.sums[7] += batch["attention_mask"].sum().double()
+        self.sums[8] += flops
+
+    def reduce(self, world: int) -> dict[str, float]:
+        values = self.sums.clone()
+        dist.all_reduce(values)
+        total = dict(zip(self.FIELDS, values.tolist(), strict=True))
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        steps = max(self.steps, 1)
+        return {
+            "loss": total["loss"] / steps / world,
+            "mlm_loss": total["mlm_loss"] / steps / world,
+            "nsp_loss": total["nsp_loss"] / steps / world,
+            "mlm_accuracy": total["mlm_correct"] / max(total["mlm_count"], 1.0),
+            "nsp_accuracy": total["nsp_correct"] / max(total["sequences"], 1.0),
+            "samples_per_s": total["sequences"] / seconds,
+            "tokens_per_s": total["tokens"] / seconds,
+            "tflops_per_device": total["flops"] / seconds / world / 1e12,
+        }
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _memory_metrics(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {
+            "memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30,
+            "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30,
+        }
+    import resource
+
+    return {"memory_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def _loss_scale(engine: Any) -> float | None:
+    optimizer = engine.optimizer
+    for name in ("cur_scale", "loss_scale"):
+        value = getattr(optimizer, name, None)
+        if isinstance(value, int | float):
+            return float(value)
+    return None
+
+
+class Trainer:
+    """One pre-training job on this rank. Build it, then call :meth:`run`."""
+
+    def __init__(self, cfg: PretrainConfig, info: DistInfo) -> None:
+        self.cfg = cfg
+        self.info = info
+        self.world = info.world_size
+        self.accumulation = cfg.check_world(self.world)
+        self.data = [read_phase_data(p, f"phases[{i}]") for i, p in enumerate(cfg.phases)]
+        self.model_cfg = model_config(cfg, self.data)
+        self.folder = cfg.checkpoint_dir
+        self.stop = _StopFlag()
+        self.run_id: str | None = None
+        self.global_step = 0
+        self.samples_seen = 0
+        self.peak = self._peak_flops()
+
+    # ---------------------------------------------------------------- set-up
+
+    def _peak_flops(self) -> float | None:
+        if self.cfg.device_peak_tflops:
+            return self.cfg.device_peak_tflops * 1e12
+        if self.info.device.type != "cuda":
+            return None
+        return peak_flops(torch.cuda.get_device_name(self.info.device), self.cfg.precision)
+
+    def _new_model(self) -> BertForPreTraining:
+        torch.manual_seed(self.cfg.seed)  # the same initial weights on every rank
+        model = BertForPreTraining(self.model_cfg)
+        if self.cfg.model.init_from:
+            from training.hf import load_hf_folder, load_into
+
+            _, weights = load_hf_folder(self.cfg.model.init_from)
+            load_into(model, weights, strict_heads=False)
+        torch.manual_seed(self.cfg.seed + 1000 * self.info.rank)  # dropout differs per rank
+        return model
+
+    def _start(self) -> tuple[int, str | None]:
+        """(first phase to run, checkpoint tag to resume from)."""
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            if ckpt.has_checkpoints(self.folder):
+                raise ConfigError(
+                    "checkpoint.resume",
+                    f"is none but {self.folder} holds checkpoints: resume with auto, or use "
+                    "another output / checkpoint.dir",
+                )
+            tag = None
+        elif resume == "auto":
+            tag = ckpt.latest_tag(self.folder)
+        else:
+            tag = resume
+        names = [p.name for p in self.cfg.phases]
+        if self.cfg.only_phase is not None:
+            index = names.index(self.cfg.only_phase)
+            if tag is None and index > 0:
+                tag = ckpt.phase_end_tag(self.folder, names[index - 1])
+                if tag is None:
+                    raise ConfigError(
+                        "only_phase",
+                        f"{self.cfg.only_phase} starts from {names[index - 1]}'s final checkpoint, "
+                        f"which is not in {self.folder}: run {names[index - 1]} first",
+                    )
+            return index, tag
+        if tag is None:
+            return 0, None
+        state, _ = ckpt.read_state(self.folder, tag, self.info.rank)
+        index = state.phase_index + (1 if self._complete(state) else 0)
+        return index, tag
+
+    # ---------------------------------------------------------------- the run
+
+    def run(self) -> dict[str, Any]:
+        first, tag = self._start()
+        self.stop.install()
+        last = len(self.cfg.phases) - 1 if self.cfg.only_phase is None else first
+        summary: dict[str, Any] = {}
+        try:
+            with self._tracking(tag):
+                for index in range(first, last + 1):
+                    summary[self.cfg.phases[index].name] = self._run_phase(index, tag)
+                    tag = ckpt.latest_tag(self.folder)
+        finally:
+            self.stop.uninstall()
+        return summary
+
+    @contextlib.contextmanager
+    def _tracking(self, tag: str | None) -> Iterator[None]:
+        """The MLflow run (rank 0 only): the one recorded in the checkpoint, or a new one."""
+        if tag is not None:
+            state, _ = ckpt.read_state(self.folder, tag, self.info.rank)
+            self.run_id = state.mlflow_run_id
+            self.global_step = state.global_step
+            self.samples_seen = state.samples_seen
+        if not self.info.is_main:
+            yield
+            return
+        tags = {
+            f"{tracking.TAG_DATA_CHECKSUM}.{p.name}": d.sha256
+            for p, d in zip(self.cfg.phases, self.data, strict=True)
+        }
+        tags["bertpipe.tokenizer_sha256"] = self.data[0].manifest["tokenizer_sha256"]
+        with tracking.start_run(
+            self.cfg.tracking,
+            "pretrain",
+            config=self.cfg if self.run_id is None else None,
+            run_name=self.cfg.tracking.run_name or "pretrain",
+            tags=tags,
+            parent_run_id=self.cfg.tracking.tags.get(tracking.TAG_PARENT),
+            resume_run_id=self.run_id,
+        ) as run:
+            if run is not None:
+                self.run_id = run.info.run_id
+                import mlflow
+
+                mlflow.log_dict(asdict(self.model_cfg), "model_config.json")
+            yield
+
+    def _run_phase(self, index: int, tag: str | None) -> dict[str, Any]:
+        from training.data import PretrainingData
+
+        cfg, phase = self.cfg, self.cfg.phases[index]
+        accumulation = self.accumulation[phase.name]
+        model = self._new_model()
+        engine, dsconf = build_engine(model, cfg, phase, self.world)
+        phase_step = 0
+        data_state: dict[str, int] | None = None
+        if tag is not None:
+            phase_step, data_state = self._restore(engine, index, tag)
+        loader = PretrainingData(
+            phase.data,
+            "train",
+            micro_batch_size=phase.micro_batch_size,
+            rank=self.info.rank,
+            world_size=self.world,
+            seed=cfg.seed,
+            num_workers=cfg.data.num_workers,
+            shuffle_blocks=cfg.data.shuffle_blocks,
+        )
+        if data_state is not None:
+            loader.load_state_dict(data_state)
+        if self.info.is_main:
+            self._log_phase_start(index, dsconf, loader)
+        seq_len = self.data[index].max_seq_length
+        progress = ProgressLine(f"{phase.name}", phase.max_steps) if self.info.is_main else None
+        window = _Window(self.info.device)
+        batches = iter(loader)
+        ended = phase_step >= phase.max_steps
+        while not ended:
+            window.lr = float(engine.optimizer.param_groups[0]["lr"])  # this update's rate
+            for _ in range(accumulation):
+                batch = _to_device(next(batches), self.info.device)
+                out = engine(**batch)
+                engine.backward(out.loss)
+                engine.step()
+                # model FLOPs (no recomputation counted), the numerator of MFU
+                flops = batch["input_ids"].shape[0] * training_flops_per_sequence(
+                    self.model_cfg,
+                    batch["input_ids"].shape[1],
+                    round(batch["mlm_positions"].numel() / batch["input_ids"].shape[0]),
+                )
+                window.add(out, batch, flops, accumulation)
+            phase_step += 1
+            self.global_step += 1
+            self.samples_seen += phase.micro_batch_size * accumulation
+            window.steps += 1
+            ended = phase_step >= phase.max_steps
+            stopping = self.stop.agreed(self.info.device)
+            if phase_step % cfg.log_every_steps == 0 or ended:
+                self._log_window(engine, window, phase, phase_step, progress)
+                window = _Window(self.info.device)
+            if cfg.eval.every_steps and phase_step % cfg.eval.every_steps == 0 and not ended:
+                self._evaluate(engine, index)
+            every = cfg.checkpoint.every_steps
+            if stopping or ended or (every and phase_step % every == 0):
+                self._save(engine, index, phase_step, ended, loader.state_dict())
+            if stopping:
+                if progress:
+                    progress.close()
+                raise PreemptedError(f"stopped by SIGTERM at {phase.name} step {phase_step}")
+        if progress:
+            progress.close()
+        metrics = self._evaluate(engine, index)
+        del engine
+        return {"steps": phase_step, "global_step": self.global_step, **metrics, "seq_len": seq_len}
+
+    def _complete(self, state: ckpt.CheckpointState) -> bool:
+        """Whether the checkpoint's phase is done by *this* config's step count (raising
+        ``max_steps`` of a finished phase continues it)."""
+        return state.phase_step >= self.cfg.phases[state.phase_index].max_steps
+
+    def _restore(self, engine: Any, index: int, tag: str) -> tuple[int, dict[str, int] | None]:
+        """Load checkpoint ``tag`` into this phase's engine; returns (phase step, data state)."""
+        phase = self.cfg.phases[index]
+        state, rank_state = ckpt.read_state(self.folder, tag, self.info.rank)
+        same_phase = state.phase_index == index and not self._complete(state)
+        if same_phase:
+            engine.load_checkpoint(self.folder, tag=tag)
+            if rank_state is not None and state.world_size == self.world:
+                ckpt.restore_rng(rank_state["rng"])
+                data = rank_state["data"]
+            else:  # another world size: same data position in samples, fresh RNG streams
+                consumed = state.data["batches"] * state.world_size // self.world
+                data = {"epoch": state.data["epoch"], "batches": consumed}
+                torch.manual_seed(self.cfg.seed + 1000 * self.info.rank + state.global_step)
+                log.warning(
+                    "resuming on %d ranks from %d: RNG streams restart",
+                    self.world,
+                    state.world_size,
+                )
+            log.info("resumed %s at step %d from %s", phase.name, state.phase_step, tag)
+            return state.phase_step, data
+        # a new phase from the previous phase's final checkpoint
+        keep = phase.optimizer_state == "keep"
+        engine.load_checkpoint(
+            self.folder,
+            tag=tag,
+            load_optimizer_states=keep,
+            load_lr_scheduler_states=False,
+            load_module_only=not keep,
+        )
+        scheduler = engine.lr_scheduler
+        for group, base in zip(engine.optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["lr"] = base * scheduler.lr_lambdas[0](0)
+        log.info(
+            "%s starts from %s (%s optimizer state)", phase.name, tag, "kept" if keep else "fresh"
+        )
+        return 0, None
+
+    def _save(
+        self, engine: Any, index: int, phase_step: int, ended: bool, data: dict[str, int]
+    ) -> None:
+        phase = self.cfg.phases[index]
+        state = ckpt.CheckpointState(
+            phase=phase.name,
+            phase_index=index,
+            phase_step=phase_step,
+            global_step=self.global_step,
+            phase_complete=ended,
+            data=data,
+            world_size=self.world,
+            mlflow_run_id=self.run_id,
+            samples_seen=self.samples_seen,
+            model=asdict(self.model_cfg),
+            zero_stage=self.cfg.zero.stage,
+            precision=self.cfg.precision,
+            config=to_dict(self.cfg),
+        )
+        tag = f"global_step{self.global_step}"
+        ckpt.save(engine, self.folder, tag, state, self.info.rank)
+        if self.info.is_main:
+            ckpt.prune(self.folder, self.cfg.checkpoint.keep_last)
+        dist.barrier()
+
+    # ---------------------------------------------------------------- metrics
+
+    def _log_phase_start(self, index: int, dsconf: dict[str, Any], loader: Any) -> None:
+        phase = self.cfg.phases[index]
+        log.info(
+            "%s: %d steps, %d x %d x %d = %d sequences/step of %d tokens, %d batches per rank per "
+            "epoch, ds_config %s",
+            phase.name,
+            phase.max_steps,
+            phase.micro_batch_size,
+            self.accumulation[phase.name],
+            self.world,
+            phase.global_batch_size,
+            self.data[index].max_seq_length,
+            loader.batches_per_epoch,
+            json.dumps(dsconf),
+        )
+        if self.run_id is not None:
+            import mlflow
+
+            mlflow.log_dict(dsconf, f"ds_config_{phase.name}.json")
+
+    def _log_window(
+        self,
+        engine: Any,
+        window: _Window,
+        phase: PhaseSpec,
+        phase_step: int,
+        progress: ProgressLine | None,
+    ) -> None:
+        metrics = window.reduce(self.world)
+        metrics["lr"] = window.lr
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is not None and math.isfinite(float(grad_norm)):
+            metrics["grad_norm"] = float(grad_norm)
+        scale = _loss_scale(engine)
+        if self.cfg.precision == "fp16" and scale is not None:
+            metrics["loss_scale"] = scale
+        utilisation = mfu(metrics["tflops_per_device"] * 1e12, self.peak)
+        if utilisation is not None:
+            metrics["mfu"] = utilisation
+        metrics.update(_memory_metrics(self.info.device))
+        metrics["phase_step"] = phase_step
+        if not self.info.is_main:
+            return
+        named = {f"train/{k}": v for k, v in metrics.items()}
+        if self.run_id is not None:
+            tracking.log_metrics(named, step=self.global_step)
+        if progress is not None and progress.enabled:
+            progress.update(
+                phase_step, f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e}", force=True
+            )
+        else:
+            log.info(
+                "%s step %d/%d (global %d): loss %.4f mlm %.4f nsp %.4f mlm_acc %.3f nsp_acc %.3f "
+                "lr %.3e %.1f seq/s",
+                phase.name,
+                phase_step,
+                phase.max_steps,
+                self.global_step,
+                metrics["loss"],
+                metrics["mlm_loss"],
+                metrics["nsp_loss"],
+                metrics["mlm_accuracy"],
+                metrics["nsp_accuracy"],
+                metrics["lr"],
+                metrics["samples_per_s"],
+            )
+
+    @torch.no_grad()
+    def _evaluate(self, engine: Any, index: int) -> dict[str, float]:
+        """Loss and accuracies on the phase's held-out split, averaged over all ranks."""
+        from training.data import DataError, PretrainingData
+
+        phase = self.cfg.phases[index]
+        split = self.cfg.data.heldout_split
+        if not self.data[index].manifest["splits"].get(split, {}).get("instances"):
+            return {}
+        try:
+            loader = PretrainingData(
+                phase.data,
+                split,
+                micro_batch_size=phase.micro_batch_size,
+                rank=self.info.rank,
+                world_size=self.world,
+                seed=self.cfg.seed,
+                num_workers=0,
+                shuffle_blocks=1,
+                train=False,
+                max_batches=self.cfg.eval.max_batches or None,
+            )
+        except DataError as exc:  # too little held-out data for this many ranks
+            if self.info.is_main:
+                log.warning("%s: no evaluation: %s", phase.name, exc)
+            return {}
+        engine.eval()
+        window = _Window(self.info.device)
+        for batch in loader:
+            batch = _to_device(batch, self.info.device)
+            out = engine(**batch)
+            window.add(out, batch, 0.0, 1)
+            window.steps += 1
+        engine.train()
+        metrics = window.reduce(self.world)
+        result = {
+            k: metrics[k] for k in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
+        }
+        if self.info.is_main:
+            log.info(
+                "%s eval at global step %d: %s",
+                phase.name,
+                self.global_step,
+                json.dumps({k: round(v, 4) for k, v in result.items()}),
+            )
+            if self.run_id is not None:
+                tracking.log_metrics(
+                    {f"eval/{k}": v for k, v in result.items()}, step=self.global_step
+                )
+        return result
+
+
+def run_pretraining(cfg: PretrainConfig) -> dict[str, Any]:
+    """Join (or form) the distributed job and pre-train; rank 0 returns the summary."""
+    info = init_distributed()
+    cfg.check_world(info.world_size)
+    trainer = Trainer(cfg, info)
+    if info.is_main:
+        fsio.atomic_write_text(fsio.join(cfg.output, "pretrain.yaml"), to_yaml(cfg))
+        for phase in cfg.phases:
+            fsio.atomic_write_text(
+                fsio.join(cfg.output, f"ds_config_{phase.name}.json"),
+                json.dumps(ds_config(cfg, phase, info.world_size), indent=2),
+            )
+    try:
+        summary = trainer.run()
+    except PreemptedError as exc:
+        log.warning("%s", exc)
+        raise
+    if info.is_main:
+        fsio.atomic_write_text(fsio.join(cfg.output, "summary.json"), json.dumps(summary, indent=2))
+    return summary
