@@ -89,13 +89,23 @@ def test_field_docs_are_read_from_the_class() -> None:
 def test_shipped_stage_configs_validate() -> None:
     """Every YAML recipe shipped under configs/ parses into its stage's config."""
     from preprocessing.config import PreprocessConfig, TokenizerConfig
+    from training.config import PretrainConfig
 
     root = Path(__file__).resolve().parents[2] / "configs"
-    classes = {"tokenizer": TokenizerConfig, "preprocess": PreprocessConfig}
-    checked = 0
+    classes = {
+        "tokenizer": TokenizerConfig,
+        "preprocess": PreprocessConfig,
+        "pretrain": PretrainConfig,
+    }
+    checked = set()
     for path in sorted(root.glob("*.yaml")):
         stage = path.stem.split("-")[0]
-        if stage in classes:
-            load_config(classes[stage], str(path))
-            checked += 1
-    assert checked >= 2
+        assert stage in classes, f"{path.name}: name it <stage>-<what>.yaml"
+        cfg = load_config(classes[stage], str(path))
+        checked.add(stage)
+        if isinstance(cfg, PretrainConfig):  # the batch arithmetic of the intended cluster
+            world = {"pretrain-bert-large-lamb": 32, "pretrain-bert-base-adamw": 8}.get(
+                path.stem, 1
+            )
+            cfg.check_world(world)
+    assert checked == set(classes)
