@@ -53,6 +53,8 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
         ("corpus", lambda: _corpus(out, documents)),
         ("tokenizer", lambda: _tokenizer(out, common)),
         ("preprocess", lambda: _preprocess(out, common)),
+        ("pretrain", lambda: _pretrain(out, common)),
+        ("export", lambda: _export(out)),
     ]
     started = time.monotonic()
     for name, step in steps:
@@ -129,6 +131,38 @@ def _preprocess(out: Path, common: list[str]) -> object:
     }
 
 
+def _pretrain(out: Path, common: list[str]) -> object:
+    """Both phases of a tiny BERT on CPU, from configs/pretrain-demo.yaml."""
+    import yaml
+
+    from bertpipe.config import apply_overrides, from_dict
+    from training.config import PretrainConfig
+    from training.trainer import run_pretraining
+
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "pretrain-demo.yaml"
+    if not recipe.exists():
+        raise FileNotFoundError(f"{recipe} is missing: run the demo from a bertpipe checkout")
+    data = yaml.safe_load(recipe.read_text())
+    data["output"] = str(out / "pretrain")
+    for phase, folder in zip(data["phases"], ("seq128", "seq512"), strict=True):
+        phase["data"] = str(out / "shards" / folder)
+    data["checkpoint"] = {**data.get("checkpoint", {}), "resume": "none"}
+    cfg = from_dict(
+        PretrainConfig, apply_overrides(data, [*common, "tracking.run_name=demo-pretrain"])
+    )
+    if (out / "pretrain").exists():  # a fresh run each time the demo runs
+        import shutil
+
+        shutil.rmtree(out / "pretrain")
+    return run_pretraining(cfg)
+
+
+def _export(out: Path) -> object:
+    from training.export import export_checkpoint
+
+    return export_checkpoint(str(out / "pretrain" / "checkpoints"), str(out / "bert-tiny-hf"))
+
+
 def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: float) -> None:
     lines = [
         "",
@@ -140,6 +174,16 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
             f"  shards      {out / 'shards' / name}  ({info['instances']:,} instances, "
             f"{info['shards']} shards)"
         )
+    pretrain = results["pretrain"]
+    for name, info in pretrain.items():  # type: ignore[attr-defined]
+        lines.append(
+            f"  {name:11s} step {info['global_step']}: held-out loss {info.get('loss', float('nan')):.3f}, "
+            f"MLM accuracy {info.get('mlm_accuracy', float('nan')):.3f}, "
+            f"NSP accuracy {info.get('nsp_accuracy', float('nan')):.3f}"
+        )
+    lines.append(
+        f"  export      {out / 'bert-tiny-hf'}  (transformers BertForPreTraining + tokenizer)"
+    )
     lines += [
         "",
         "Look at the runs in MLflow:",
