@@ -34,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bertpipe.bench:add_bench_command",
     "demo": "bertpipe.demo:add_demo_command",
     "plan": "training.cli_plan:add_plan_command",
+    "runs": "bertpipe.cli_runs:add_runs_command",
 }
 
 

@@ -174,12 +174,12 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
             f"  shards      {out / 'shards' / name}  ({info['instances']:,} instances, "
             f"{info['shards']} shards)"
         )
-    pretrain = results["pretrain"]
-    for name, info in pretrain.items():  # type: ignore[attr-defined]
+    nan = float("nan")
+    for name, info in results["pretrain"].items():  # type: ignore[attr-defined]
         lines.append(
-            f"  {name:11s} step {info['global_step']}: held-out loss {info.get('loss', float('nan')):.3f}, "
-            f"MLM accuracy {info.get('mlm_accuracy', float('nan')):.3f}, "
-            f"NSP accuracy {info.get('nsp_accuracy', float('nan')):.3f}"
+            f"  {name:11s} step {info['global_step']}: held-out loss {info.get('loss', nan):.3f}, "
+            f"MLM accuracy {info.get('mlm_accuracy', nan):.3f}, "
+            f"NSP accuracy {info.get('nsp_accuracy', nan):.3f}"
         )
     lines.append(
         f"  export      {out / 'bert-tiny-hf'}  (transformers BertForPreTraining + tokenizer)"
