@@ -31,6 +31,8 @@ COMMANDS: dict[str, str] = {
     "preprocess": "preprocessing.cli:add_preprocess_command",
     "pretrain": "training.cli:add_pretrain_command",
     "export": "training.cli:add_export_command",
+    "finetune": "finetuning.cli:add_finetune_command",
+    "sweep": "finetuning.cli:add_sweep_command",
     "bench": "bertpipe.bench:add_bench_command",
     "demo": "bertpipe.demo:add_demo_command",
     "plan": "training.cli_plan:add_plan_command",

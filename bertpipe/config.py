@@ -15,10 +15,11 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import re
 import textwrap
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import yaml
@@ -65,17 +66,27 @@ def load_config(
     """Build ``cls`` from optional ``defaults``, then a YAML file, then ``key.sub=value`` overrides.
 
     Override values are parsed as YAML scalars or flow collections (``a=3``, ``b=[1,2]``,
-    ``c=null``), so they get the same types as the file would give them.
+    ``c=null``), so they get the same types as the file would give them. An item of a list
+    section is addressed by its index: ``phases[1].max_steps=500`` (a list the file does not
+    set is taken from the dataclass defaults first).
     """
     data: dict[str, Any] = _deep_copy(dict(defaults or {}))
     if path is not None:
         data = _merge(data, _read_yaml(path))
-    data = apply_overrides(data, overrides)
+    data = apply_overrides(data, overrides, lambda: _defaults_of(cls))
     return from_dict(cls, data)
 
 
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """Return a copy of ``data`` with each ``dotted.key=value`` override applied."""
+_INDEXED = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)$")
+
+
+def apply_overrides(
+    data: dict[str, Any],
+    overrides: Sequence[str],
+    defaults: Callable[[], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Return a copy of ``data`` with each ``dotted.key=value`` (or ``list[i].key=value``)
+    override applied. ``defaults`` supplies lists the data does not hold yet."""
     out = _deep_copy(data)
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -86,15 +97,67 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError as exc:
             raise ConfigError(key, f"cannot parse value {raw!r}: {exc}") from None
-        node = out
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section")
-            node = child
-        node[parts[-1]] = value
+        _set_path(out, key, value, defaults)
     return out
+
+
+def _set_path(
+    out: dict[str, Any], key: str, value: Any, defaults: Callable[[], dict[str, Any]] | None
+) -> None:
+    steps: list[str | int] = []
+    for part in key.split("."):
+        match = _INDEXED.match(part)
+        if match is None:
+            raise ConfigError(key, "an override key looks like a.b.c or a[0].b")
+        steps.append(match.group(1))
+        steps.extend(int(i) for i in re.findall(r"\[(\d+)\]", match.group(2)))
+    node: Any = out
+    default_node: Any = None
+    for i, step in enumerate(steps[:-1]):
+        where = _path_text(steps[: i + 1])
+        nxt = steps[i + 1]
+        if isinstance(step, int):
+            if not isinstance(node, list) or step >= len(node):
+                size = len(node) if isinstance(node, list) else 0
+                raise ConfigError(where, f"has no item {step} (the list has {size})")
+            node = node[step]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(where, "is a value, not a section")
+        if step not in node:
+            if isinstance(nxt, int):
+                if default_node is None and defaults is not None and node is out:
+                    default_node = defaults()
+                inherited = (default_node or {}).get(step) if node is out else None
+                if not isinstance(inherited, list):
+                    raise ConfigError(where, "is not a list set in the config file")
+                node[step] = _deep_copy(inherited)
+            else:
+                node[step] = {}
+        node = node[step]
+        if isinstance(nxt, str) and not isinstance(node, dict):
+            raise ConfigError(where, "is a value, not a section")
+    last = steps[-1]
+    if isinstance(last, int):
+        if not isinstance(node, list) or last >= len(node):
+            raise ConfigError(_path_text(steps), "names no list item")
+        node[last] = value
+    else:
+        node[last] = value
+
+
+def _path_text(steps: Sequence[str | int]) -> str:
+    text = ""
+    for step in steps:
+        text += f"[{step}]" if isinstance(step, int) else (f".{step}" if text else step)
+    return text
+
+
+def _defaults_of(cls: type) -> dict[str, Any]:
+    try:
+        return dict(to_dict(cls()))
+    except (TypeError, ConfigError):  # a class with required fields has no defaults to offer
+        return {}
 
 
 def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:

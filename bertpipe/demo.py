@@ -55,6 +55,9 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
         ("preprocess", lambda: _preprocess(out, common)),
         ("pretrain", lambda: _pretrain(out, common)),
         ("export", lambda: _export(out)),
+        ("task", lambda: _task(out)),
+        ("finetune-pretrained", lambda: _finetune(out, common, random_init=False)),
+        ("finetune-random", lambda: _finetune(out, common, random_init=True)),
     ]
     started = time.monotonic()
     for name, step in steps:
@@ -163,6 +166,61 @@ def _export(out: Path) -> object:
     return export_checkpoint(str(out / "pretrain" / "checkpoints"), str(out / "bert-tiny-hf"))
 
 
+def _task(out: Path) -> tuple[str, str]:
+    from finetuning.sample_task import write_python_docs_task
+
+    return write_python_docs_task(str(out / "task"))
+
+
+def _finetune(out: Path, common: list[str], *, random_init: bool) -> object:
+    """The Python-docs paragraph classification task, from the export or from random weights
+    (the same architecture): the comparison shows what pre-training is worth here."""
+    from bertpipe.config import load_config
+    from finetuning.config import FinetuneConfig
+    from finetuning.loop import run_finetuning
+
+    name = "random" if random_init else "pretrained"
+    cfg = load_config(
+        FinetuneConfig,
+        None,
+        [
+            f"output={out / 'finetune' / name}",
+            f"init_from={out / 'bert-tiny-hf'}",
+            f"random_init={str(random_init).lower()}",
+            "task.family=table",
+            "task.name=python-docs",
+            f"task.train={out / 'task' / 'train.tsv'}",
+            f"task.dev=[{out / 'task' / 'dev.tsv'}]",
+            "epochs=6",
+            "batch_size=32",
+            "learning_rate=5e-4",
+            f"tracking.run_name=demo-finetune-{name}",
+            *common,
+        ],
+    )
+    return run_finetuning(cfg)
+
+
+def _compare(out: Path, uri: str) -> None:
+    """The runs-compare table of the two fine-tuning runs and their accuracy curves."""
+    from bertpipe.cli_runs import print_comparison
+    from bertpipe.runs import CompareQuery
+
+    sys.stdout.write("\nFine-tuning runs (bertpipe runs compare):\n")
+    print_comparison(
+        CompareQuery(
+            experiment="bertpipe-demo",
+            tracking_uri=uri,
+            stage="finetune",
+            metrics=["eval/accuracy", "eval/macro_f1", "train/loss"],
+            sort="eval/accuracy",
+        ),
+        plot=str(out / "finetune-accuracy.png"),
+        plot_metrics=["eval/accuracy", "train/loss"],
+        width=0,
+    )
+
+
 def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: float) -> None:
     lines = [
         "",
@@ -184,6 +242,13 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
     lines.append(
         f"  export      {out / 'bert-tiny-hf'}  (transformers BertForPreTraining + tokenizer)"
     )
+    for name in ("pretrained", "random"):
+        result = results[f"finetune-{name}"]
+        metric = result.main_metric  # type: ignore[attr-defined]
+        lines.append(
+            f"  finetune    from {name} weights: dev {metric} "
+            f"{result.metrics[metric]:.3f} (epoch {result.best_epoch})"  # type: ignore[attr-defined]
+        )
     lines += [
         "",
         "Look at the runs in MLflow:",
@@ -192,5 +257,6 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
         "  then open http://127.0.0.1:5000",
         "",
     ]
-    sys.stdout.write("\n".join(lines))
+    sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
+    _compare(out, uri)

@@ -119,13 +119,14 @@ def start_run(
     tags: Mapping[str, str] | None = None,
     parent_run_id: str | None = None,
     resume_run_id: str | None = None,
-    nested: bool = False,
+    nested_in: str | None = None,
 ) -> Iterator[mlflow.ActiveRun | None]:
     """Start (or resume) the run of a stage; yields None when tracking is disabled.
 
     The resolved ``config`` (a dataclass) is logged as flattened params and as
-    ``config.yaml``. ``parent_run_id`` is recorded as the lineage tag and, for nested
-    runs, also as MLflow's own parent. The run ends FAILED if the body raises.
+    ``config.yaml``. ``parent_run_id`` is the lineage tag (the run whose output this stage
+    consumed, e.g. the pre-training run of a fine-tuning); ``nested_in`` makes the run an
+    MLflow child of that run (a sweep's trials). The run ends FAILED if the body raises.
     """
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
@@ -144,8 +145,8 @@ def start_run(
         run = mlflow.start_run(
             experiment_id=experiment_id,
             run_name=run_name or cfg.run_name,
-            nested=nested,
-            parent_run_id=parent_run_id if nested else None,
+            nested=nested_in is not None,
+            parent_run_id=nested_in,
             tags=all_tags,
         )
     with run:

@@ -70,6 +70,8 @@ class CheckpointState:
     """The ``BertModelConfig`` (what ``bertpipe export`` rebuilds the model from)."""
     zero_stage: int = 0
     precision: str = "fp32"
+    data_sha256: dict[str, str] = field(default_factory=dict)
+    """sha256 of each phase's data manifest (lineage for exports and fine-tuning runs)."""
     config: dict[str, Any] = field(default_factory=dict)
     version: int = STATE_VERSION
 

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.config import PhaseSpec, PretrainConfig
+from training.config import PhaseSpec, PretrainConfig, ZeroConfig
 from training.optim import build_optimizer, lr_lambda
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DistInfo", "build_engine", "ds_config", "init_distributed"]
+__all__ = ["DistInfo", "build_engine", "deepspeed_config", "ds_config", "init_distributed"]
 
 
 @dataclass(frozen=True)
@@ -80,39 +80,65 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
 
 def ds_config(cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config of ``phase`` on ``world_size`` processes."""
-    accumulation = phase.accumulation(world_size)
-    zero: dict[str, Any] = {
-        "stage": cfg.zero.stage,
-        "overlap_comm": cfg.zero.overlap_comm,
-        "contiguous_gradients": cfg.zero.contiguous_gradients,
-        "reduce_bucket_size": cfg.zero.bucket_size,
-        "allgather_bucket_size": cfg.zero.bucket_size,
+    phase.accumulation(world_size)  # a clear config error for an indivisible batch
+    return deepspeed_config(
+        micro_batch_size=phase.micro_batch_size,
+        global_batch_size=phase.global_batch_size,
+        world_size=world_size,
+        zero=cfg.zero,
+        precision=cfg.precision,
+        max_grad_norm=cfg.optimizer.max_grad_norm,
+        loss_scale_power=cfg.loss_scale_power,
+        universal=cfg.checkpoint.universal,
+    )
+
+
+def deepspeed_config(
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    world_size: int,
+    zero: ZeroConfig,
+    precision: str,
+    max_grad_norm: float,
+    loss_scale_power: int = 16,
+    universal: bool = False,
+) -> dict[str, Any]:
+    """A DeepSpeed JSON config (pre-training and fine-tuning share it)."""
+    accumulation = global_batch_size // (micro_batch_size * world_size)
+    zero_section: dict[str, Any] = {
+        "stage": zero.stage,
+        "overlap_comm": zero.overlap_comm,
+        "contiguous_gradients": zero.contiguous_gradients,
+        "reduce_bucket_size": zero.bucket_size,
+        "allgather_bucket_size": zero.bucket_size,
     }
-    if cfg.zero.offload_optimizer == "cpu":
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if zero.offload_optimizer == "cpu":
+        zero_section["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     config: dict[str, Any] = {
-        "train_batch_size": phase.global_batch_size,
-        "train_micro_batch_size_per_gpu": phase.micro_batch_size,
+        "train_batch_size": global_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": accumulation,
-        "gradient_clipping": cfg.optimizer.max_grad_norm,
-        "zero_optimization": zero,
+        # DeepSpeed's default is 1.0: always say what the config says
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": zero_section,
         # torch's AdamW and bertpipe's LAMB are client optimizers; ZeRO needs to be told
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 10**9,  # bertpipe logs; DeepSpeed stays quiet
         "wall_clock_breakdown": False,
-        "checkpoint": {"load_universal": cfg.checkpoint.universal},
+        "checkpoint": {"load_universal": universal},
     }
-    if cfg.precision == "fp16":
+    if precision == "fp16":
         config["fp16"] = {
             "enabled": True,
             "loss_scale": 0,  # dynamic
-            "initial_scale_power": cfg.loss_scale_power,
+            "initial_scale_power": loss_scale_power,
             "loss_scale_window": 1000,
             "hysteresis": 2,
             "min_loss_scale": 1,
         }
-    elif cfg.precision == "bf16":
+    elif precision == "bf16":
         config["bf16"] = {"enabled": True}
     return config
 

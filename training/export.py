@@ -116,6 +116,7 @@ def export_checkpoint(
         "tokenizer": source,
         "tokenizer_sha256": tokenizer_checksum(tok),
         "mlflow_run_id": state.mlflow_run_id,
+        "data_sha256": state.data_sha256,
     }
     (Path(out) / "bertpipe_export.json").write_text(json.dumps(info, indent=2) + "\n")
     log.info("exported %s to %s", info["checkpoint"], out)

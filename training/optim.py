@@ -27,7 +27,7 @@ from torch import nn
 
 from training.config import OptimizerConfig, PhaseSpec
 
-__all__ = ["Lamb", "build_optimizer", "lr_lambda", "param_groups"]
+__all__ = ["Lamb", "build_optimizer", "lr_lambda", "param_groups", "warmup_decay"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -133,22 +133,26 @@ def build_optimizer(
 
 
 def lr_lambda(phase: PhaseSpec) -> Callable[[int], float]:
-    """Multiplier of the peak learning rate after ``step`` optimizer steps of ``phase``.
+    """The multiplier schedule of a pre-training phase (see :func:`warmup_decay`)."""
+    return warmup_decay(phase.warmup_steps(), phase.max_steps, phase.decay, phase.decay_power)
 
-    Update ``u`` (1 ... max_steps) uses ``u / warmup`` of the peak during warmup, then
-    ``r`` (linear) or ``r ** decay_power`` (poly) with ``r = (max_steps - u + 1) / (max_steps
-    - warmup)``: the first update after warmup is at the peak, the last at ``1 / (max_steps -
-    warmup)`` of it.
+
+def warmup_decay(
+    warmup: int, total: int, decay: str = "linear", power: float = 1.0
+) -> Callable[[int], float]:
+    """Multiplier of the peak learning rate after ``step`` optimizer steps.
+
+    Update ``u`` (1 ... total) uses ``u / warmup`` of the peak during warmup, then
+    ``r`` (linear) or ``r ** power`` (poly) with ``r = (total - u + 1) / (total - warmup)``:
+    the first update after warmup is at the peak, the last at ``1 / (total - warmup)`` of it.
     """
-    warmup = phase.warmup_steps()
-    total = phase.max_steps
-    power = 1.0 if phase.decay == "linear" else phase.decay_power
+    exponent = 1.0 if decay == "linear" else power
 
     def multiplier(step: int) -> float:
         update = step + 1  # the update about to be made, 1 ... total
         if update <= warmup:
             return update / warmup
         remaining = max(0.0, (total - update + 1) / max(1, total - warmup))
-        return math.pow(remaining, power)
+        return math.pow(remaining, exponent)
 
     return multiplier

@@ -475,6 +475,7 @@ class Trainer:
             model=asdict(self.model_cfg),
             zero_stage=self.cfg.zero.stage,
             precision=self.cfg.precision,
+            data_sha256={p.name: d.sha256 for p, d in zip(self.cfg.phases, self.data, strict=True)},
             config=to_dict(self.cfg),
         )
         tag = f"global_step{self.global_step}"

@@ -58,6 +58,8 @@ __all__ = [
     "take",
 ]
 
+from bertpipe.errors import BertpipeError
+
 logger = logging.getLogger(__name__)
 
 Features = dict[str, np.ndarray]
@@ -70,7 +72,7 @@ IGNORE_INDEX = -100
 """Label value that the loss ignores (specials, padding, non-first sub-tokens)."""
 
 
-class TaskDataError(ValueError):
+class TaskDataError(BertpipeError, ValueError):
     """A task data file cannot be used at all; the message names the file and what to do."""
 
 
@@ -226,19 +228,19 @@ def plain_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
 
 
 def check_max_seq_length(max_seq_length: int, max_positions: int) -> None:
-    """Raise :class:`ConfigError` (key ``data.max_seq_length``) unless it fits the model.
+    """Raise :class:`ConfigError` (key ``task.max_seq_length``) unless it fits the model.
 
     ``max_positions`` is the model's ``max_position_embeddings``.
     """
     if max_seq_length > max_positions:
         raise ConfigError(
-            "data.max_seq_length",
+            "task.max_seq_length",
             f"{max_seq_length} is longer than the model's max_position_embeddings "
-            f"({max_positions}); set data.max_seq_length to {max_positions} or less",
+            f"({max_positions}); set task.max_seq_length to {max_positions} or less",
         )
     if max_seq_length < 8:
         raise ConfigError(
-            "data.max_seq_length",
+            "task.max_seq_length",
             f"{max_seq_length} leaves no room for text next to [CLS] and [SEP]; use 8 or more "
             "(BERT uses 128 for GLUE, 384 for SQuAD)",
         )

@@ -104,13 +104,13 @@ def squad_spec(version_2: bool) -> TaskSpec:
 def check_squad_lengths(max_seq_length: int, max_query_length: int, doc_stride: int) -> None:
     """Raise :class:`ConfigError` when the window lengths leave no room for the context."""
     if max_query_length < 1:
-        raise ConfigError("data.max_query_length", "must be 1 or more (BERT uses 64)")
+        raise ConfigError("task.max_query_length", "must be 1 or more (BERT uses 64)")
     if doc_stride < 1:
-        raise ConfigError("data.doc_stride", "must be 1 or more (BERT uses 128)")
+        raise ConfigError("task.doc_stride", "must be 1 or more (BERT uses 128)")
     if max_seq_length - max_query_length - 3 < 1:
         raise ConfigError(
-            "data.max_query_length",
-            f"{max_query_length} leaves no context tokens in data.max_seq_length="
+            "task.max_query_length",
+            f"{max_query_length} leaves no context tokens in task.max_seq_length="
             f"{max_seq_length}; make it smaller than max_seq_length - 3",
         )
 

@@ -315,7 +315,7 @@ def test_check_max_seq_length() -> None:
     check_max_seq_length(128, 512)
     with pytest.raises(ConfigError) as err:
         check_max_seq_length(1024, 512)
-    assert err.value.key == "data.max_seq_length" and "512" in str(err.value)
+    assert err.value.key == "task.max_seq_length" and "512" in str(err.value)
 
 
 def test_write_glue_predictions() -> None:

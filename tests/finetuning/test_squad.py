@@ -240,9 +240,9 @@ def test_squad_metrics_with_no_answer_breakdown():
 
 
 def test_check_lengths_and_write_files(tmp_path):
-    with pytest.raises(ConfigError, match=r"data\.max_query_length"):
+    with pytest.raises(ConfigError, match=r"task\.max_query_length"):
         check_squad_lengths(64, 64, 16)
-    with pytest.raises(ConfigError, match=r"data\.doc_stride"):
+    with pytest.raises(ConfigError, match=r"task\.doc_stride"):
         check_squad_lengths(384, 64, 0)
     paths = write_squad_predictions(
         str(tmp_path / "out"), {"q": "Cat"}, {"q": [{"text": "Cat"}]}, {"q": 1.5}

@@ -109,3 +109,20 @@ def test_shipped_stage_configs_validate() -> None:
             )
             cfg.check_world(world)
     assert checked == set(classes)
+
+
+def test_list_items_are_addressed_by_index(tmp_path: Path) -> None:
+    cfg = load_config(Outer, None, ["items=[{size: 1}, {size: 2}]", "items[1].mode=b"])
+    assert cfg.items[1].mode == "b" and cfg.items[0].mode == "a"
+    with pytest.raises(ConfigError) as info:
+        load_config(Outer, None, ["items=[{size: 1}]", "items[3].size=2"])
+    assert info.value.key == "items[3]" or "has no item 3" in str(info.value)
+    # a list the file leaves unset comes from the dataclass defaults
+    from training.config import PretrainConfig
+
+    pre = load_config(
+        PretrainConfig, None, ["phases[0].max_steps=7", "phases[0].data=s3://b/seq128"]
+    )
+    assert pre.phases[0].max_steps == 7 and pre.phases[0].data == "s3://b/seq128"
+    with pytest.raises(ConfigError, match=r"a\.b\.c or a\[0\]\.b"):
+        load_config(Outer, None, ["items[x].size=2"])

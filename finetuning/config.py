@@ -1,0 +1,145 @@
+"""``bertpipe finetune`` / ``bertpipe sweep``: the typed fine-tuning config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from bertpipe.config import ConfigError
+from bertpipe.tracking import TrackingConfig
+from training.config import ZeroConfig
+
+__all__ = ["FinetuneConfig", "SweepSpec", "TaskConfig"]
+
+TaskFamily = Literal["glue", "table", "squad", "conll"]
+
+
+@dataclass
+class TaskConfig:
+    """The task: its family, files and how examples become model inputs."""
+
+    family: TaskFamily = "table"
+    """``glue`` (the nine GLUE TSV layouts), ``table`` (CSV/TSV/JSONL with named columns),
+    ``squad`` (SQuAD v1.1/v2.0 JSON) or ``conll`` (CoNLL-2003 token labels)."""
+    name: str = "task"
+    """GLUE task name (``sst-2``, ``mnli``...) or a name for the others (used in metrics)."""
+    train: str = ""
+    """Training file."""
+    dev: list[str] = field(default_factory=list)
+    """Evaluation file(s); MNLI: matched and mismatched. Metrics of the first pick the best
+    epoch; the others are logged with their file name as prefix."""
+    kind: Literal["classification", "regression"] = "classification"
+    """table: a class per row, or a number (regression)."""
+    text_a: str = "text"
+    """table: column of the first text."""
+    text_b: str | None = None
+    """table: column of the second text (sentence pairs)."""
+    label: str = "label"
+    """table: column of the label."""
+    labels: list[str] | None = None
+    """table/conll: the label names in id order; null: sorted from the training file."""
+    main_metric: str | None = None
+    """Metric that picks the best epoch; null: the task's default."""
+    max_seq_length: int = 128
+    """Tokens per input, specials included; must not exceed the model's positions."""
+    version_2: bool | None = None
+    """squad: SQuAD 2.0 (unanswerable questions); null: detected from the file."""
+    doc_stride: int = 128
+    """squad: step between context windows."""
+    max_query_length: int = 64
+    """squad: longest question, in tokens."""
+    max_answer_length: int = 30
+    """squad: longest predicted answer, in tokens."""
+    n_best_size: int = 20
+    """squad: candidate spans considered per question."""
+    null_score_diff_threshold: float = 0.0
+    """squad v2: predict "no answer" when the null score beats the best span by more."""
+
+    def check_runnable(self) -> None:
+        if not self.train:
+            raise ConfigError("task.train", "give the training file")
+        if not self.dev:
+            raise ConfigError("task.dev", "give at least one evaluation file")
+
+    def __post_init__(self) -> None:
+        if self.max_seq_length < 8:
+            raise ConfigError("max_seq_length", "must be at least 8")
+
+
+@dataclass
+class SweepSpec:
+    """``bertpipe sweep``: the grid of trials, each a nested MLflow run under one parent."""
+
+    learning_rate: list[float] = field(default_factory=lambda: [5e-5, 4e-5, 3e-5, 2e-5])
+    """The BERT paper's grid."""
+    batch_size: list[int] = field(default_factory=lambda: [16, 32])
+    epochs: list[int] = field(default_factory=lambda: [2, 3, 4])
+    max_trials: int | None = None
+    """Run only the first N trials of the grid (in grid order)."""
+
+    def __post_init__(self) -> None:
+        if not (self.learning_rate and self.batch_size and self.epochs):
+            raise ConfigError("learning_rate", "every grid axis needs at least one value")
+
+
+@dataclass
+class FinetuneConfig:
+    """``bertpipe finetune``: one task, one output layer on top of a pre-trained BERT."""
+
+    output: str = "runs/finetune"
+    """Run folder: best model, predictions, resolved config."""
+    init_from: str | None = None
+    """Where the encoder comes from: a transformers BERT folder (``bertpipe export``'s or
+    any HF BERT), or a bertpipe pre-training checkpoint folder (with ``latest``)."""
+    random_init: bool = False
+    """Keep the architecture of ``init_from`` but start from random weights (a baseline)."""
+    tokenizer: str | None = None
+    """Tokenizer folder; null: the one in ``init_from`` (exports carry theirs)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    learning_rate: float = 3e-5
+    batch_size: int = 32
+    """Sequences per optimizer step, all ranks together."""
+    micro_batch_size: int | None = None
+    """Sequences per rank per forward pass; null: batch_size / world size."""
+    epochs: int = 3
+    warmup: float = 0.1
+    """Fraction of the optimizer steps spent warming up."""
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    hidden_dropout: float | None = None
+    """Override the encoder's dropout; null keeps the checkpoint's."""
+    classifier_dropout: float | None = None
+    """Dropout before the task layer; null: the encoder's hidden dropout."""
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    zero: ZeroConfig = field(default_factory=lambda: ZeroConfig(stage=0))
+    seed: int = 42
+    """Seeds the head's init, dropout and the data order: a run is reproducible."""
+    eval_batch_size: int = 64
+    save_model: bool = True
+    """Save the best epoch's model (an HF folder) and log it to MLflow."""
+    sweep: SweepSpec = field(default_factory=SweepSpec)
+    """Used by ``bertpipe sweep`` only."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def check_runnable(self) -> None:
+        if not self.init_from:
+            raise ConfigError("init_from", "give an exported model folder or a checkpoint folder")
+        self.task.check_runnable()
+
+    def __post_init__(self) -> None:
+        if self.learning_rate <= 0:
+            raise ConfigError("learning_rate", "must be positive")
+        if self.batch_size < 1 or self.epochs < 1 or self.eval_batch_size < 1:
+            raise ConfigError("batch_size", "batch_size, epochs and eval_batch_size must be >= 1")
+        if not 0 <= self.warmup < 1:
+            raise ConfigError("warmup", "is a fraction of the steps in [0, 1)")
+
+    def micro_batch(self, world_size: int) -> int:
+        micro = self.micro_batch_size or max(1, self.batch_size // world_size)
+        if self.batch_size % (micro * world_size):
+            raise ConfigError(
+                "batch_size",
+                f"{self.batch_size} is not a multiple of micro_batch_size x world size = "
+                f"{micro} x {world_size}",
+            )
+        return micro

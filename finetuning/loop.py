@@ -1,0 +1,391 @@
+"""The fine-tuning loop: one task head on a pre-trained BERT, with DeepSpeed, logged to MLflow.
+
+The engine set-up is pre-training's (:mod:`training.engine`: the same distributed init and
+generated DeepSpeed config); the optimizer is AdamW with linear warmup and decay. Each epoch
+ends with an evaluation of every dev file; the best epoch by the task's main metric is kept
+as an HF folder (``<output>/best``) and its metrics are the run's final ones. Predictions are
+written for every evaluation. Runs are deterministic for a seed: head init, dropout and data
+order all come from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bertpipe import fsio, tracking
+from bertpipe.config import ConfigError, to_yaml
+from bertpipe.seeding import rng_for
+from finetuning.config import FinetuneConfig
+from finetuning.data import TaskData, batches, load_task, model_inputs, score, write_predictions
+from finetuning.heads import (
+    BertForQuestionAnswering,
+    BertForSequenceClassification,
+    BertForTokenClassification,
+    BertTaskModel,
+)
+from training.config import OptimizerConfig
+from training.engine import DistInfo, deepspeed_config, init_distributed
+from training.model import BertModelConfig
+from training.optim import build_optimizer, warmup_decay
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FinetuneResult", "Initialisation", "load_initialisation", "run_finetuning"]
+
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json")
+
+
+@dataclass
+class Initialisation:
+    """Where the encoder comes from and the lineage that goes with it."""
+
+    model_cfg: BertModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer_dir: str
+    pretrain_run_id: str | None
+    data_sha256: dict[str, str]
+    head_labels: list[str] | None
+    """Label names of a task head already in ``init_from`` (a fine-tuned model), if any."""
+
+
+@dataclass
+class FinetuneResult:
+    """What a fine-tuning run produced."""
+
+    run_id: str | None
+    metrics: dict[str, float]
+    """The best epoch's metrics on the first dev file."""
+    best_epoch: int
+    main_metric: str
+    greater_is_better: bool
+    history: list[dict[str, float]] = field(default_factory=list)
+    output: str = ""
+
+
+def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
+    """Read ``init_from``: an HF BERT folder (an export) or a pre-training checkpoint folder."""
+    source = Path(str(cfg.init_from))
+    if (source / "config.json").exists():
+        from training.hf import load_hf_folder
+
+        model_cfg, weights = load_hf_folder(source)
+        lineage = {}
+        if (source / "bertpipe_export.json").exists():
+            lineage = json.loads((source / "bertpipe_export.json").read_text())
+        hf_config = json.loads((source / "config.json").read_text())
+        labels = None
+        if any(a != "BertForPreTraining" for a in hf_config.get("architectures", [])):
+            id2label = hf_config.get("id2label") or {}
+            labels = [id2label[k] for k in sorted(id2label, key=int)] or None
+        return Initialisation(
+            model_cfg,
+            weights,
+            cfg.tokenizer or str(source),
+            lineage.get("mlflow_run_id"),
+            lineage.get("data_sha256", {}),
+            labels,
+        )
+    if (source / "latest").exists():
+        from training.export import _tokenizer_folder, load_checkpoint_model
+
+        model, state = load_checkpoint_model(str(source))
+        return Initialisation(
+            model.config,
+            model.state_dict(),
+            cfg.tokenizer or _tokenizer_folder(state, None),
+            state.mlflow_run_id,
+            state.data_sha256,
+            None,
+        )
+    raise ConfigError(
+        "init_from",
+        f"{source} is neither an HF BERT folder (config.json) nor a checkpoint folder (latest)",
+    )
+
+
+def _build_head(data: TaskData, model_cfg: BertModelConfig, cfg: FinetuneConfig) -> BertTaskModel:
+    kind = data.spec.kind
+    if kind == "span_qa":
+        return BertForQuestionAnswering(model_cfg)
+    if kind == "token_labels":
+        return BertForTokenClassification(model_cfg, data.spec.num_labels, cfg.classifier_dropout)
+    return BertForSequenceClassification(model_cfg, data.spec.num_labels, cfg.classifier_dropout)
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with fsio.open_url(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class Finetuner:
+    """One fine-tuning run on this rank."""
+
+    def __init__(self, cfg: FinetuneConfig, info: DistInfo) -> None:
+        from preprocessing.tokenizer import load_tokenizer
+
+        cfg.check_runnable()
+        self.cfg = cfg
+        self.info = info
+        self.micro = cfg.micro_batch(info.world_size)
+        self.init = load_initialisation(cfg)
+        changes: dict[str, Any] = {}
+        if cfg.hidden_dropout is not None:
+            changes["hidden_dropout"] = changes["attention_dropout"] = cfg.hidden_dropout
+        self.model_cfg = dataclasses.replace(self.init.model_cfg, **changes)
+        self.tokenizer = load_tokenizer(self.init.tokenizer_dir)
+        self.data = load_task(cfg.task, self.tokenizer, self.model_cfg.max_position_embeddings)
+        labels = list(self.data.spec.labels)
+        if self.init.head_labels is not None and self.init.head_labels != labels:
+            raise ConfigError(
+                "task.labels",
+                f"{cfg.init_from} has a head for labels {self.init.head_labels}, the task has "
+                f"{labels}: start from the pre-trained (not fine-tuned) model, or give the "
+                "same labels",
+            )
+        self.output = Path(cfg.output)
+
+    def _model(self) -> BertTaskModel:
+        torch.manual_seed(self.cfg.seed)  # the head's initialisation, identical on every rank
+        model = _build_head(self.data, self.model_cfg, self.cfg)
+        if not self.cfg.random_init:
+            from training.hf import load_into
+
+            load_into(model, self.init.weights, strict_heads=False)
+        torch.manual_seed(self.cfg.seed + 1000 * self.info.rank)  # dropout
+        return model
+
+    def run(self, nested_in: str | None = None, run_name: str | None = None) -> FinetuneResult:
+        cfg, data = self.cfg, self.data
+        tags = {
+            "bertpipe.task": data.spec.name,
+            "bertpipe.init": "random" if cfg.random_init else "pretrained",
+            "bertpipe.finetune_data_sha256": _file_sha256(cfg.task.train),
+        }
+        for phase, sha in self.init.data_sha256.items():
+            tags[f"{tracking.TAG_DATA_CHECKSUM}.{phase}"] = sha
+        if self.info.is_main:
+            self.output.mkdir(parents=True, exist_ok=True)
+            (self.output / "finetune.yaml").write_text(to_yaml(cfg))
+            context = tracking.start_run(
+                cfg.tracking,
+                "finetune",
+                config=cfg,
+                run_name=run_name or cfg.tracking.run_name or f"{data.spec.name}",
+                tags=tags,
+                parent_run_id=self.init.pretrain_run_id,
+                nested_in=nested_in,
+            )
+        else:
+            import contextlib
+
+            context = contextlib.nullcontext()
+        with context as run:
+            result = self._train(run.info.run_id if run is not None else None)
+            if run is not None:
+                self._log_final(result)
+        return result
+
+    # ---------------------------------------------------------------- training
+
+    def _train(self, run_id: str | None) -> FinetuneResult:
+        import deepspeed
+
+        cfg, data, info = self.cfg, self.data, self.info
+        n = len(data.train["input_ids"])
+        per_rank = (n // info.world_size) // self.micro
+        accumulation = cfg.batch_size // (self.micro * info.world_size)
+        steps_per_epoch = per_rank // accumulation
+        if steps_per_epoch < 1:
+            raise ConfigError(
+                "batch_size", f"{n} training inputs are too few for one batch of {cfg.batch_size}"
+            )
+        total = steps_per_epoch * cfg.epochs
+        model = self._model()
+        optimizer = build_optimizer(
+            model,
+            OptimizerConfig(weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm),
+            cfg.learning_rate,
+            offload=cfg.zero.offload_optimizer == "cpu",
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, warmup_decay(round(cfg.warmup * total), total)
+        )
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=deepspeed_config(
+                micro_batch_size=self.micro,
+                global_batch_size=cfg.batch_size,
+                world_size=info.world_size,
+                zero=cfg.zero,
+                precision=cfg.precision,
+                max_grad_norm=cfg.max_grad_norm,
+            ),
+        )
+        log.info(
+            "fine-tuning %s: %d inputs, %d epochs x %d steps of %d (%d x %d x %d), lr %.1e",
+            data.spec.name,
+            n,
+            cfg.epochs,
+            steps_per_epoch,
+            cfg.batch_size,
+            self.micro,
+            accumulation,
+            info.world_size,
+            cfg.learning_rate,
+        )
+        main = data.spec.main_metric
+        better = (lambda a, b: a > b) if data.spec.greater_is_better else (lambda a, b: a < b)
+        best: dict[str, float] = {}
+        best_epoch = 0
+        history = []
+        step = 0
+        for epoch in range(1, cfg.epochs + 1):
+            started = time.monotonic()
+            order = rng_for(cfg.seed, "finetune-order", epoch).permutation(n)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
+            micro_steps = 0
+            for batch in batches(
+                data.train, self.micro, order=order, rank=info.rank, world_size=info.world_size
+            ):
+                if micro_steps >= steps_per_epoch * accumulation:
+                    break
+                out = engine(**model_inputs(batch, info.device, with_labels=True))
+                engine.backward(out.loss)
+                engine.step()
+                loss_sum += out.loss.detach().double()
+                micro_steps += 1
+            step += steps_per_epoch
+            dist.all_reduce(loss_sum)
+            train_loss = float(loss_sum) / max(1, micro_steps * info.world_size)
+            metrics = self._evaluate(engine, epoch)
+            epoch_metrics = {"train/loss": train_loss, "epoch_seconds": time.monotonic() - started}
+            epoch_metrics.update({f"eval/{k}": v for k, v in metrics.items()})
+            history.append({"epoch": epoch, **epoch_metrics})
+            if info.is_main:
+                log.info(
+                    "epoch %d/%d: train loss %.4f, %s",
+                    epoch,
+                    cfg.epochs,
+                    train_loss,
+                    ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if "/" not in k),
+                )
+                if run_id is not None:
+                    tracking.log_metrics(epoch_metrics, step=epoch)
+            value = metrics.get(main, math.nan)
+            if not best or (math.isfinite(value) and better(value, best.get(main, math.nan))):
+                best, best_epoch = metrics, epoch
+                if cfg.save_model:
+                    self._save_best(engine)
+            dist.barrier()
+        del engine
+        return FinetuneResult(
+            run_id,
+            best,
+            best_epoch,
+            main,
+            data.spec.greater_is_better,
+            history,
+            str(self.output),
+        )
+
+    @torch.no_grad()
+    def _evaluate(self, engine: Any, epoch: int) -> dict[str, float]:
+        """Every dev file on every rank (all ranks take part in the forward passes, as ZeRO-3
+        needs); rank 0 scores and writes the predictions."""
+        engine.eval()
+        metrics: dict[str, float] = {}
+        per_token = self.data.spec.kind in ("span_qa", "token_labels")
+        for i, dev in enumerate(self.data.dev):
+            outputs: dict[str, list[np.ndarray]] = {}
+            for batch in batches(dev.features, self.cfg.eval_batch_size):
+                out = engine(**model_inputs(batch, self.info.device, with_labels=False))
+                for key in ("logits", "start_logits", "end_logits"):
+                    value = getattr(out, key, None)
+                    if value is None:
+                        continue
+                    array = value.float().cpu().numpy()
+                    if per_token:  # one array per input, cut to its real length
+                        rows = zip(array, batch["lengths"], strict=True)
+                        outputs.setdefault(key, []).extend(row[:n] for row, n in rows)
+                    else:
+                        outputs.setdefault(key, []).append(array)
+            if not self.info.is_main:
+                continue
+            merged: dict[str, Any] = {
+                k: (v if per_token else np.concatenate(v)) for k, v in outputs.items()
+            }
+            scores, predicted = score(self.data, dev, merged, self.cfg.task)
+            folder = self.output / "predictions" / f"epoch{epoch}" / dev.name
+            write_predictions(self.data, dev, predicted, folder)
+            prefix = "" if i == 0 else f"{dev.name}/"
+            metrics.update({f"{prefix}{k}": float(v) for k, v in scores.items()})
+        engine.train()
+        return metrics
+
+    def _save_best(self, engine: Any) -> None:
+        if not self.info.is_main:
+            return
+        from training.hf import save_hf_folder
+
+        best = self.output / "best"
+        if best.exists():
+            shutil.rmtree(best)
+        extra = {}
+        for name in TOKENIZER_FILES:
+            path = Path(self.init.tokenizer_dir) / name
+            if path.exists():
+                extra[name] = path.read_bytes()
+        save_hf_folder(engine.module, best, extra_files=extra)
+        if self.data.spec.labels:
+            config = json.loads((best / "config.json").read_text())
+            config["id2label"] = {str(i): label for i, label in enumerate(self.data.spec.labels)}
+            config["label2id"] = {label: i for i, label in enumerate(self.data.spec.labels)}
+            (best / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    def _log_final(self, result: FinetuneResult) -> None:
+        import mlflow
+
+        tracking.log_metrics({f"best/{k}": v for k, v in result.metrics.items()})
+        tracking.log_metrics({"best/epoch": result.best_epoch})
+        mlflow.log_dict(
+            {
+                "task": self.data.spec.name,
+                "kind": self.data.spec.kind,
+                "labels": list(self.data.spec.labels),
+                "main_metric": self.data.spec.main_metric,
+                "read_reports": [r.summary() for r in self.data.reports],
+                "history": result.history,
+            },
+            "finetune_summary.json",
+        )
+        if (self.output / "predictions").exists():
+            mlflow.log_artifacts(str(self.output / "predictions"), "predictions")
+        if self.cfg.save_model and (self.output / "best").exists():
+            mlflow.log_artifacts(str(self.output / "best"), "model")
+
+
+def run_finetuning(
+    cfg: FinetuneConfig, nested_in: str | None = None, run_name: str | None = None
+) -> FinetuneResult:
+    """Join (or form) the distributed job and fine-tune; returns the best epoch's metrics."""
+    info = init_distributed()
+    cfg.micro_batch(info.world_size)
+    return Finetuner(cfg, info).run(nested_in=nested_in, run_name=run_name)

@@ -1,0 +1,837 @@
+"""infra/: the cluster files parse, their scripts are valid, and they cannot drift from the CLI.
+
+Fast checks read the files: YAML parses, Kubernetes objects are complete and consistent with
+each other, scripts pass ``bash -n`` and are executable, every ``bertpipe <command>`` they run
+exists and every option they pass is accepted by the real parser, images pin the versions the
+project is tested with. The ``integration`` tests run the scripts: bertpipe-supervise under
+DeepSpeed's real launcher (a SIGTERM reaches the training processes, not the launcher), and
+pretrain.sbatch against stand-ins for ``srun``/``scontrol``/``deepspeed`` (plan gate, per-node
+launch arguments, the time-limit notice -> checkpoint -> requeue path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bertpipe.cli import COMMANDS, build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+INFRA = ROOT / "infra"
+K8S = INFRA / "k8s"
+BIN = INFRA / "bin"
+VENV_BIN = Path(sys.executable).parent
+
+
+def _infra_files() -> list[Path]:
+    return sorted(
+        p
+        for p in INFRA.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.name != ".gitignore"
+    )
+
+
+def _is_shell_script(path: Path) -> bool:
+    with path.open("rb") as f:
+        first = f.readline()
+    return first.startswith(b"#!") and (b"bash" in first or first.rstrip().endswith(b"/sh"))
+
+
+def _yaml_files() -> list[Path]:
+    return [p for p in _infra_files() if p.suffix in (".yaml", ".yml")]
+
+
+def _load_all(path: Path) -> list[Any]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _kustomizations() -> list[Path]:
+    return sorted(K8S.rglob("kustomization.yaml"))
+
+
+def _generator_files(kustomization: dict[str, Any]) -> list[str]:
+    out = []
+    for gen in kustomization.get("configMapGenerator", []) + kustomization.get(
+        "secretGenerator", []
+    ):
+        for item in gen.get("files", []):
+            out.append(item.split("=", 1)[-1])
+    return out
+
+
+def _k8s_objects() -> list[tuple[Path, dict[str, Any]]]:
+    out = []
+    for kust_path in _kustomizations():
+        kust = yaml.safe_load(kust_path.read_text())
+        for resource in kust.get("resources", []):
+            path = kust_path.parent / resource
+            out += [(path, doc) for doc in _load_all(path)]
+    return out
+
+
+def _object(kind: str, name: str) -> dict[str, Any]:
+    for _, doc in _k8s_objects():
+        if doc["kind"] == kind and doc["metadata"]["name"] == name:
+            return doc
+    raise AssertionError(f"no {kind} {name} in infra/k8s")
+
+
+# --------------------------------------------------------------------------- YAML, Kubernetes
+
+
+def test_every_yaml_file_parses() -> None:
+    files = _yaml_files()
+    assert len(files) >= 8, files
+    for path in files:
+        docs = _load_all(path)
+        assert docs, f"{path} holds no YAML document"
+
+
+def test_kustomizations_list_existing_files_and_cover_every_manifest() -> None:
+    referenced = set()
+    assert _kustomizations(), "no kustomization.yaml under infra/k8s"
+    for kust_path in _kustomizations():
+        kust = yaml.safe_load(kust_path.read_text())
+        assert kust["kind"] == "Kustomization"
+        referenced.add(kust_path)
+        for name in [*kust.get("resources", []), *_generator_files(kust)]:
+            path = kust_path.parent / name
+            assert path.is_file(), f"{kust_path} lists {name}, which does not exist"
+            referenced.add(path)
+    orphans = [p for p in K8S.rglob("*.yaml") if p not in referenced]
+    assert not orphans, f"YAML under infra/k8s that no kustomization uses: {orphans}"
+
+
+def test_k8s_objects_are_complete() -> None:
+    objects = _k8s_objects()
+    kinds = {doc["kind"] for _, doc in objects}
+    assert {"Job", "Service", "PersistentVolumeClaim", "Deployment"} <= kinds, kinds
+    for path, doc in objects:
+        assert isinstance(doc, dict), path
+        for key in ("apiVersion", "kind"):
+            assert doc.get(key), f"{path}: object without {key}"
+        assert doc.get("metadata", {}).get("name"), f"{path}: {doc['kind']} without metadata.name"
+
+
+@pytest.mark.skipif(
+    subprocess.run(["which", "kubectl"], capture_output=True).returncode != 0,
+    reason="kubectl is not installed",
+)
+def test_kustomize_builds_offline() -> None:
+    for kust_path in _kustomizations():
+        proc = subprocess.run(
+            ["kubectl", "kustomize", str(kust_path.parent)], capture_output=True, text=True
+        )
+        assert proc.returncode == 0, proc.stderr
+        kinds = [d["kind"] for d in yaml.safe_load_all(proc.stdout) if d]
+        assert kinds, kust_path
+
+
+def _job() -> dict[str, Any]:
+    return _object("Job", "bertpipe-pretrain")
+
+
+def _container_env(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_pretrain_job_is_consistent_with_its_service_and_world() -> None:
+    job = _job()
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    env = _container_env(container)
+    nodes, gpus = int(env["NUM_NODES"]), int(env["GPUS_PER_NODE"])
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == nodes
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == gpus
+    service = _object("Service", env["SERVICE_NAME"])
+    assert service["spec"]["clusterIP"] == "None"  # headless: per-pod DNS names
+    assert pod["subdomain"] == env["SERVICE_NAME"]
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert int(env["MASTER_PORT"]) in {p["port"] for p in service["spec"]["ports"]}
+    # preemption: SIGTERM -> checkpoint -> 143, which must be retried, not counted or fatal
+    assert pod["restartPolicy"] == "Never"
+    assert pod["terminationGracePeriodSeconds"] >= 300
+    rules = spec["podFailurePolicy"]["rules"]
+    ignored = [r for r in rules if r["action"] == "Ignore" and "onExitCodes" in r]
+    assert any(143 in r["onExitCodes"]["values"] for r in ignored)
+    assert any(r["onExitCodes"]["containerName"] == container["name"] for r in ignored)
+    fatal = [r for r in rules if r["action"] == "FailJob"]
+    assert all(143 not in r["onExitCodes"]["values"] for r in fatal)
+    # the config volume is the generated ConfigMap
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    generated = {g["name"] for g in kust["configMapGenerator"]}
+    config_volumes = [v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v]
+    assert config_volumes and set(config_volumes) <= generated
+    claims = [
+        v["persistentVolumeClaim"]["claimName"]
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
+    pvc = _object("PersistentVolumeClaim", claims[0])
+    assert "ReadWriteMany" in pvc["spec"]["accessModes"]  # every node's pod mounts it
+    # /dev/shm large enough for NCCL and the loader workers
+    assert any(v.get("emptyDir", {}).get("medium") == "Memory" for v in pod["volumes"])
+
+
+def test_k8s_config_runs_on_the_jobs_world_and_follows_the_shipped_recipe() -> None:
+    from bertpipe.config import load_config, to_dict
+    from training.config import PretrainConfig
+
+    env = _container_env(_job()["spec"]["template"]["spec"]["containers"][0])
+    world = int(env["NUM_NODES"]) * int(env["GPUS_PER_NODE"])
+    cfg = load_config(PretrainConfig, str(K8S / "config" / "pretrain.yaml"))
+    cfg.check_world(world)  # raises ConfigError if the batch arithmetic does not fit
+    assert cfg.checkpoint.dir is None or cfg.checkpoint.dir.startswith("/workspace")
+    assert cfg.output.startswith("/workspace")  # on the shared volume
+    recipe = ROOT / "configs" / "pretrain-bert-large-lamb.yaml"
+    if not recipe.exists():
+        pytest.skip("configs/pretrain-bert-large-lamb.yaml is not there")
+    ours, theirs = to_dict(cfg), to_dict(load_config(PretrainConfig, str(recipe)))
+    for d in (ours, theirs):
+        d.pop("output")
+        d.pop("tracking")
+        for phase in d["phases"]:
+            phase.pop("data")
+    assert ours == theirs, (
+        "infra/k8s/config/pretrain.yaml differs from configs/pretrain-bert-large-lamb.yaml "
+        "beyond paths and tracking: update the Kubernetes copy"
+    )
+
+
+def test_k8s_args_hold_no_kubernetes_variable_references() -> None:
+    """Kubernetes rewrites $(NAME) in command/args before the shell sees them."""
+    for path, doc in _k8s_objects():
+        spec = doc.get("spec", {})
+        pod = spec.get("template", {}).get("spec", {})
+        for container in pod.get("containers", []):
+            for text in [*container.get("command", []), *container.get("args", [])]:
+                found = re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(text))
+                assert not found, f"{path}: $({found[0]}) would be expanded by Kubernetes"
+
+
+# --------------------------------------------------------------------------- shell
+
+
+def _shell_scripts() -> list[Path]:
+    return [p for p in _infra_files() if _is_shell_script(p)]
+
+
+def test_shell_scripts_parse_and_are_executable() -> None:
+    scripts = _shell_scripts()
+    names = {p.name for p in scripts}
+    assert {"pretrain.sbatch", "preprocess.sbatch", "bertpipe-supervise"} <= names, names
+    for path in scripts:
+        proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{path}: {proc.stderr}"
+        assert os.access(path, os.X_OK), f"{path} is not executable (chmod +x)"
+
+
+def _embedded_shell() -> Iterator[tuple[str, str, str]]:
+    """(where, shell, script) for the shell scripts inside Kubernetes and compose YAML."""
+    for path, doc in _k8s_objects():
+        pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for c in pod.get("containers", []):
+            command = [*c.get("command", []), *c.get("args", [])]
+            if len(command) >= 3 and command[0].endswith("bash") and command[1] == "-c":
+                yield f"{path}:{c['name']}", "bash", command[2]
+    compose = yaml.safe_load((INFRA / "mlflow" / "docker-compose.yaml").read_text())
+    for name, service in compose["services"].items():
+        command = [*(service.get("entrypoint") or []), *(service.get("command") or [])]
+        for i, part in enumerate(command[:-1]):
+            if part == "-c":
+                # compose turns $$ into $ before the container's shell sees it
+                yield f"docker-compose.yaml:{name}", "sh", command[i + 1].replace("$$", "$")
+
+
+def test_embedded_shell_scripts_parse() -> None:
+    seen = list(_embedded_shell())
+    assert len(seen) >= 3, seen
+    for where, shell, script in seen:
+        proc = subprocess.run([shell, "-n", "-c", script], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{where}: {proc.stderr}"
+
+
+# --------------------------------------------------------------------------- the CLI
+
+
+def _command_lines() -> Iterator[tuple[Path, str]]:
+    """Lines of infra/ that are commands: code, examples in comments, README code blocks.
+
+    Prose (a comment with one space after ``#``, README text) is left out, except inline
+    `code`; examples in comments are indented (``#   bertpipe plan ...``). Backslash
+    continuations are joined.
+    """
+    for path in _infra_files():
+        if path.suffix not in ("", ".sh", ".sbatch", ".yaml", ".yml", ".md", ".example") and (
+            not path.name.startswith("Dockerfile") or path.name.endswith(".dockerignore")
+        ):
+            continue
+        text = path.read_text()
+        lines: list[str] = []
+        if path.suffix == ".md":
+            in_block = False
+            for line in text.splitlines():
+                if line.lstrip().startswith("```"):
+                    in_block = not in_block
+                    continue
+                if in_block:
+                    lines.append(line)
+                else:
+                    lines += re.findall(r"`([^`]+)`", line)
+        else:
+            for line in text.splitlines():
+                stripped = line.lstrip()
+                if stripped.startswith("#"):
+                    body = stripped.lstrip("#")
+                    if body.startswith("  "):  # an indented example
+                        lines.append(body)
+                    else:
+                        lines += re.findall(r"`([^`]+)`", body)
+                else:
+                    lines.append(line)
+        joined: list[str] = []
+        for line in lines:
+            if joined and joined[-1].endswith("\\"):
+                joined[-1] = joined[-1][:-1] + " " + line.strip()
+            else:
+                joined.append(line)
+        for line in joined:
+            yield path, line
+
+
+_NAME = re.compile(r"(?<![\w.-])bertpipe(?:-preflight)?(?![\w.:/=-])")
+# what may stand before a command: the line start, a shell operator, `exec`, `which`,
+# `command -v`, `srun ...`, then optional VAR=value assignments
+_COMMAND_POSITION = re.compile(
+    r"(?:^|[;&|(`]|\bexec|\bwhich|\bcommand -v|\bsrun\b.*)\s*(?:\w+=\S*\s+)*$"
+)
+
+
+def _substitute(text: str) -> str:
+    """Shell expansions -> a plain value ("1"); "$@"-style argument lists -> nothing."""
+    text = re.sub(r"\"\$\{?[@*]\}?\"|\"\$\{\w+\[[@*]\]\}\"|\$[@*]", " ", text)
+    out, i = [], 0
+    while i < len(text):  # $( ... ) with nesting
+        if text.startswith("$(", i):
+            depth, j = 1, i + 2
+            while j < len(text) and depth:
+                depth += {"(": 1, ")": -1}.get(text[j], 0)
+                j += 1
+            out.append("1")
+            i = j
+        else:
+            out.append(text[i])
+            i += 1
+    text = "".join(out)
+    text = re.sub(r"\$\{[^}]*\}|\$\w+", "1", text)
+    return text
+
+
+def _split(text: str, where: str) -> list[str]:
+    """shlex.split; a command inside `bash -c '...'` ends at the closing quote."""
+    while True:
+        try:
+            return shlex.split(text)
+        except ValueError as exc:
+            if "'" not in text:
+                raise AssertionError(f"{where}: cannot split: {exc}") from None
+            text = text[: text.rindex("'")]
+
+
+_BEAM_ARGS: list[tuple[Path, list[str]]] = []  # filled by _invocations
+
+
+def _invocations() -> Iterator[tuple[Path, str, list[str]]]:
+    """(file, program, arguments) of every bertpipe / bertpipe-preflight call in infra/."""
+    for path, line in _command_lines():
+        for match in _NAME.finditer(line):
+            prefix = re.sub(r"\S*/$", "", line[: match.start()])  # .venv/bin/bertpipe
+            if not _COMMAND_POSITION.search(prefix):
+                continue
+            rest = line[match.end() :].lstrip(')"')
+            if rest and not rest[0].isspace():
+                continue
+            if line[: match.start()].rstrip().endswith("("):  # $(bertpipe ...)
+                rest = rest.split(")")[0]
+            rest = rest.split("`")[0]  # `bertpipe plan` in a comment
+            # the command ends at a pipe, a list operator, a redirection or a comment
+            rest = re.split(r"\s(?:\|\|?|&&|;|>|2>|#)\s?|;\s*$|\s&\s*$", rest)[0]
+            rest, _, beam = rest.partition(" -- ")  # what follows `--` belongs to Beam
+            _BEAM_ARGS.append((path, _split(_substitute(beam), f"{path}: {line!r}")))
+            args = _split(_substitute(rest), f"{path}: {line!r}")
+            # usage synopses: [optional] parts count, METAVARS stand for a value
+            args = [a.removeprefix("[") for a in args]
+            args = [a if "=" in a else a.rstrip("]") for a in args]
+            args = [a for a in args if a not in ("", "...")]
+            args = ["1" if re.fullmatch(r"[A-Z][A-Z0-9_]*", a) else a for a in args]
+            yield path, match.group(0), args
+
+
+def test_every_bertpipe_command_exists_and_takes_its_options() -> None:
+    parser = build_parser()
+    seen: dict[str, int] = {}
+    for path, program, args in _invocations():
+        if program == "bertpipe-preflight":
+            args = ["plan", *args]  # bertpipe-preflight passes everything to `bertpipe plan`
+        if not args or args[0].startswith("-"):
+            continue  # `bertpipe --version`, `bertpipe` as an image name
+        command = args[0]
+        assert command in COMMANDS, (
+            f"{path}: `bertpipe {command}` is not a bertpipe command ({', '.join(COMMANDS)})"
+        )
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # `--help` prints and exits 0
+                parser.parse_args(args)
+        except SystemExit as exc:
+            if exc.code:
+                pytest.fail(f"{path}: `bertpipe {shlex.join(args)}` is rejected by the parser")
+        seen[command] = seen.get(command, 0) + 1
+    # the scripts and manifests do run these
+    assert {"plan", "pretrain", "preprocess"} <= seen.keys(), seen
+    assert seen["plan"] >= 4, seen
+
+
+def test_plan_options_in_infra_are_real() -> None:
+    """The options the cluster files give `bertpipe plan` exist with these spellings."""
+    parser = build_parser()
+    options = set()
+    for _, program, args in _invocations():
+        if program == "bertpipe-preflight" or args[:1] == ["plan"]:
+            options |= {a.split("=")[0] for a in args if a.startswith("--")}
+    assert {"--config", "--nodes", "--gpus-per-node", "--gpu"} <= options, options
+    plan = parser._subparsers._group_actions[0].choices["plan"]  # type: ignore[union-attr]
+    known = {s for action in plan._actions for s in action.option_strings}
+    assert options <= known, options - known
+
+
+def test_beam_options_in_infra_are_known_to_beam() -> None:
+    """Every option given to Beam after `--` (scripts, sbatch, README) is a Beam option."""
+    import argparse
+
+    import apache_beam.runners.dask.dask_runner  # noqa: F401  (registers the Dask options)
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    _BEAM_ARGS.clear()
+    for _ in _invocations():
+        pass
+    given = {
+        (path, a.split("=")[0]) for path, args in _BEAM_ARGS for a in args if a.startswith("--")
+    }
+    assert {"--runner", "--dask_client_address", "--job_endpoint"} <= {o for _, o in given}
+    todo, classes = [PipelineOptions], []
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo += cls.__subclasses__()
+    known = set()
+    for cls in classes:
+        sub = argparse.ArgumentParser(conflict_handler="resolve")
+        cls._add_argparse_args(sub)
+        known |= {s for action in sub._actions for s in action.option_strings}
+    unknown = sorted(f"{path.relative_to(ROOT)}: {o}" for path, o in given if o not in known)
+    assert not unknown, unknown
+
+
+# --------------------------------------------------------------------------- images
+
+
+def _constraint(name: str) -> str:
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.lower().startswith(name.lower() + "=="):
+            return line.split("==", 1)[1].strip()
+    raise AssertionError(f"{name} is not pinned in constraints.txt")
+
+
+def _arg(dockerfile: Path, name: str) -> str:
+    match = re.search(rf"^ARG {name}=\"?([^\"\s]+)", dockerfile.read_text(), re.MULTILINE)
+    assert match, f"{dockerfile} has no ARG {name}"
+    return match.group(1)
+
+
+def test_dockerfile_installs_cuda_torch_before_the_project_with_constraints() -> None:
+    path = INFRA / "docker" / "Dockerfile"
+    lines = path.read_text().splitlines()
+    code = [(i, line) for i, line in enumerate(lines) if not line.lstrip().startswith("#")]
+    torch_at = [i for i, line in code if "pip install" in line and "torch==" in line]
+    project_at = [i for i, line in code if "pip install" in line and "constraints.txt" in line]
+    project_at += [i for i, line in code if "--constraint constraints.txt" in line]
+    assert torch_at, "no pinned `pip install torch==...` line"
+    assert project_at, "the project is not installed with --constraint constraints.txt"
+    assert max(torch_at) < min(project_at), "torch must be installed before the project"
+    copies = [i for i, line in code if line.startswith("COPY") and "constraints.txt" in line]
+    assert copies and copies[0] < min(project_at)
+    assert any("--index-url" in line for _, line in code if "torch==" in line)
+    assert re.search(r"^USER (?!root)\S+", path.read_text(), re.MULTILINE), "runs as root"
+    assert re.search(r'^ENTRYPOINT \["bertpipe"\]', path.read_text(), re.MULTILINE)
+    assert "TORCH_EXTENSIONS_DIR" in path.read_text()
+    # the CUDA torch's version is the one the Makefile installs on CPU
+    makefile = (ROOT / "Makefile").read_text()
+    spec = re.search(r"^TORCH_SPEC \?= torch==(\S+)", makefile, re.MULTILINE)
+    assert spec and _arg(path, "TORCH_VERSION") == spec.group(1)
+    assert "devel" in _arg(path, "CUDA_IMAGE")  # nvcc for DeepSpeed's just-in-time ops
+
+
+def test_images_pin_the_tested_versions() -> None:
+    assert _arg(INFRA / "mlflow" / "Dockerfile", "MLFLOW_VERSION") == _constraint("mlflow")
+    assert _arg(INFRA / "beam" / "Dockerfile.worker", "BEAM_VERSION") == _constraint("apache-beam")
+    mlflow = _constraint("mlflow")
+    compose = yaml.safe_load((INFRA / "mlflow" / "docker-compose.yaml").read_text())
+    assert compose["services"]["mlflow"]["image"].endswith(":" + mlflow)
+    deployment = _object("Deployment", "bertpipe-mlflow")
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"].endswith(":" + mlflow)
+    job_server = (INFRA / "beam" / "job-server.sh").read_text()
+    assert f"BEAM_VERSION:-{_constraint('apache-beam')}" in job_server
+
+
+def test_compose_has_healthchecks_and_volumes() -> None:
+    compose = yaml.safe_load((INFRA / "mlflow" / "docker-compose.yaml").read_text())
+    services = compose["services"]
+    assert {"postgres", "minio", "mlflow"} <= services.keys()
+    for name in ("postgres", "minio", "mlflow"):
+        assert "healthcheck" in services[name], name
+    command = " ".join(services["mlflow"]["command"])
+    assert "--backend-store-uri" in command and "postgresql://" in command
+    assert "--artifacts-destination" in command and "s3://" in command
+    assert services["mlflow"]["environment"]["MLFLOW_S3_ENDPOINT_URL"]
+    assert set(compose["volumes"]) >= {"postgres-data", "minio-data"}
+
+
+def test_worker_image_installs_what_the_pipeline_imports() -> None:
+    """The Beam worker image installs bertpipe without dependencies plus a short list; the
+    modules the pipeline imports beyond Beam's own must be on it."""
+    code = (
+        "import sys, importlib.metadata as md\n"
+        "import apache_beam, apache_beam.metrics, numpy, yaml\n"
+        "before = {m.split('.')[0] for m in sys.modules}\n"
+        "import preprocessing.pipeline, preprocessing.run\n"
+        "dists = md.packages_distributions()\n"
+        "new = {m.split('.')[0] for m in sys.modules} - before\n"
+        "print(' '.join(sorted({d for m in new for d in dists.get(m, [])})))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    needed = {d.lower() for d in proc.stdout.split()} - {"bertpipe"}
+    dockerfile = (INFRA / "beam" / "Dockerfile.worker").read_text().lower()
+    install = re.search(r"--constraint constraints.txt \\\s*\n(.*)\$\{extra_packages\}", dockerfile)
+    assert install, "the worker image's dependency install line was not found"
+    listed = set(install.group(1).split()) | {"gcsfs", "s3fs"}
+    assert needed <= listed, f"the worker image lacks {needed - listed}"
+
+
+# --------------------------------------------------------------------------- hostfile
+
+
+def test_hostfile_example_is_deepspeed_format() -> None:
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    lines = (INFRA / "hostfile.example").read_text().splitlines()
+    pool = _parse_hostfile(lines)
+    assert len(pool) >= 2 and all(slots > 0 for slots in pool.values())
+
+
+# --------------------------------------------------------------------------- helpers run
+
+
+def _env(**extra: str) -> dict[str, str]:
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(ROOT)
+    env["DS_ACCELERATOR"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def test_supervise_passes_exit_status_through() -> None:
+    supervise = str(BIN / "bertpipe-supervise")
+    assert subprocess.run([supervise, "true"], env=_env()).returncode == 0
+    assert subprocess.run([supervise, "bash", "-c", "exit 3"], env=_env()).returncode == 3
+    assert subprocess.run([supervise], env=_env(), capture_output=True).returncode == 2
+
+
+@pytest.mark.integration
+def test_resume_args_switch_to_auto_after_the_first_new_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    for tag, step in (("global_step6", 6), ("global_step6_universal", 6)):
+        (folder / tag).mkdir(parents=True)
+        (folder / tag / "bertpipe_state.json").write_text(f'{{"global_step": {step}}}')
+    (folder / "latest").write_text("global_step6")
+    cmd = [
+        str(BIN / "bertpipe-resume-args"),
+        "global_step6_universal",
+        f"output={tmp_path / 'run'}",
+        f"checkpoint.dir={folder}",
+    ]
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+
+    assert run().stdout.split() == [
+        "checkpoint.resume=global_step6_universal",
+        "checkpoint.universal=true",
+    ]
+    (folder / "global_step8").mkdir()
+    (folder / "global_step8" / "bertpipe_state.json").write_text('{"global_step": 8}')
+    (folder / "latest").write_text("global_step8")
+    assert run().stdout.split() == ["checkpoint.resume=auto", "checkpoint.universal=false"]
+    cmd[1] = "global_step9_universal"  # not converted
+    proc = run()
+    assert proc.returncode == 2 and "ds_to_universal" in proc.stderr
+
+
+@pytest.mark.integration
+def test_preflight_gates_on_the_plan() -> None:
+    config = str(K8S / "config" / "pretrain.yaml")
+    base = [str(BIN / "bertpipe-preflight"), "--config", config, "--gpus-per-node", "8"]
+    ok = subprocess.run(
+        [*base, "--nodes", "4", "--gpu", "h100"], env=_env(), capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "32 GPUs = 4 nodes x 8" in ok.stdout
+    bad_world = subprocess.run(
+        [*base, "--nodes", "3", "--gpu", "h100"], env=_env(), capture_output=True, text=True
+    )
+    assert bad_world.returncode == 2 and "global_batch_size" in bad_world.stderr
+    too_small = subprocess.run(
+        [*base, "--nodes", "4", "--gpu", "t4"], env=_env(), capture_output=True, text=True
+    )
+    assert too_small.returncode == 3 and "GiB per GPU" in too_small.stderr
+
+
+_RANK_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[-1])
+rank = os.environ["RANK"]
+def stop(signum, frame):
+    time.sleep(1.0)  # an optimizer step and a checkpoint
+    (out / f"rank{rank}.stopped").write_text("")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+(out / f"rank{rank}.ready").write_text(str(os.getpid()))
+for _ in range(1200):
+    time.sleep(0.05)
+sys.exit(5)
+"""
+
+
+def _wait_for(paths: list[Path], proc: subprocess.Popen[Any], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"never saw {paths} (process status {proc.poll()})")
+        time.sleep(0.1)
+
+
+@pytest.mark.integration
+def test_supervise_sends_sigterm_to_ranks_not_to_deepspeeds_launcher(tmp_path: Path) -> None:
+    """Under the real `deepspeed --no_ssh` launcher: the ranks get the SIGTERM and take their
+    time, the launcher is never signalled, and the status is 143."""
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\n")
+    pid_file = tmp_path / "supervise.pid"
+    log = tmp_path / "log"
+    cmd = [
+        str(BIN / "bertpipe-supervise"),
+        "deepspeed",
+        "--no_ssh",
+        "--node_rank",
+        "0",
+        "--num_nodes",
+        "1",
+        "--num_gpus",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        "29641",
+        "--hostfile",
+        str(hostfile),
+        str(script),
+        str(tmp_path),
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=_env(BERTPIPE_PID_FILE=str(pid_file)), stdout=out, stderr=subprocess.STDOUT
+        )
+        try:
+            _wait_for([tmp_path / "rank0.ready", tmp_path / "rank1.ready", pid_file], proc)
+            assert int(pid_file.read_text()) == proc.pid
+            proc.send_signal(signal.SIGTERM)
+            status = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log.read_text(errors="replace")
+    assert status == 143, text[-3000:]
+    assert (tmp_path / "rank0.stopped").exists() and (tmp_path / "rank1.stopped").exists()
+    assert "Main process received SIGTERM" not in text, "the launcher itself was signalled"
+    assert not pid_file.exists()
+
+
+# --------------------------------------------------------------------------- pretrain.sbatch
+
+_FAKE_SRUN = r"""#!/usr/bin/env bash
+# srun stand-in: runs the command once per node of the job, here, with SLURM_NODEID set
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((n = 0; n < SLURM_JOB_NUM_NODES; n++)); do
+    SLURM_NODEID=$n SLURM_NNODES=$SLURM_JOB_NUM_NODES "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do
+    wait "$pid"; s=$?
+    ((s > status)) && status=$s
+done
+exit $status
+"""
+
+_FAKE_SCONTROL = r"""#!/usr/bin/env bash
+case "$1 $2" in
+"show hostnames") tr ',' '\n' <<<"$3" ;;
+"requeue "*) echo "$2" >>"$FAKE_LOG/requeued" ;;
+*) exit 1 ;;
+esac
+"""
+
+# deepspeed stand-in: runner -> launcher -> rank, as the real one (no_ssh) nests them
+_FAKE_DEEPSPEED = r"""#!/usr/bin/env bash
+printf '%s\n' "$@" >"$FAKE_LOG/args-$SLURM_NODEID"
+hostfile=$(awk '/^--hostfile$/ {getline; print}' "$FAKE_LOG/args-$SLURM_NODEID")
+cp "$hostfile" "$FAKE_LOG/hostfile-$SLURM_NODEID"
+bash "$FAKE_BIN/fake-launch" &
+wait $!
+"""
+
+_FAKE_LAUNCH = r"""#!/usr/bin/env bash
+trap 'touch "$FAKE_LOG/launcher-signalled-$SLURM_NODEID"; exit 1' TERM
+bash "$FAKE_BIN/fake-rank" &
+wait $!
+"""
+
+_FAKE_RANK = r"""#!/usr/bin/env bash
+trap 'sleep 0.5; touch "$FAKE_LOG/rank-stopped-$SLURM_NODEID"; exit 143' TERM
+touch "$FAKE_LOG/rank-ready-$SLURM_NODEID"
+for ((i = 0; i < 1200; i++)); do
+    [[ -n "${FAKE_RANK_EXIT:-}" ]] && exit "$FAKE_RANK_EXIT"
+    sleep 0.05
+done
+exit 5
+"""
+
+
+def _fake_slurm(tmp_path: Path, nodes: int, **extra: str) -> tuple[dict[str, str], Path]:
+    fake = tmp_path / "bin"
+    venv = tmp_path / "venv" / "bin"
+    log = tmp_path / "log"
+    for folder in (fake, venv, log):
+        folder.mkdir(parents=True)
+    for name, text in (
+        ("srun", _FAKE_SRUN),
+        ("scontrol", _FAKE_SCONTROL),
+        ("fake-launch", _FAKE_LAUNCH),
+        ("fake-rank", _FAKE_RANK),
+    ):
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    (venv / "deepspeed").write_text(_FAKE_DEEPSPEED)
+    (venv / "deepspeed").chmod(0o755)
+    (venv / "bertpipe").symlink_to(VENV_BIN / "bertpipe")
+    names = ",".join(f"gpu-{i:02d}" for i in range(nodes))
+    env = _env(
+        PATH=os.pathsep.join([str(fake), str(VENV_BIN), os.environ.get("PATH", "")]),
+        FAKE_BIN=str(fake),
+        FAKE_LOG=str(log),
+        BERTPIPE_VENV=str(venv.parent),
+        BERTPIPE_INFRA=str(INFRA),
+        BERTPIPE_PID_DIR=str(tmp_path / "pids"),
+        SLURM_JOB_ID="4242",
+        SLURM_JOB_NUM_NODES=str(nodes),
+        SLURM_JOB_NODELIST=names,
+        SLURM_SUBMIT_DIR=str(tmp_path),
+        SLURM_CPUS_ON_NODE="32",
+        SLURM_GPUS_ON_NODE="8",
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        GPU_TYPE="h100",
+        BERTPIPE_PLAN_MEMORY_CHECK="0",
+        **extra,
+    )
+    return env, log
+
+
+def _sbatch(config: Path, *overrides: str) -> list[str]:
+    return ["bash", str(INFRA / "slurm" / "pretrain.sbatch"), str(config), *overrides]
+
+
+@pytest.mark.integration
+def test_pretrain_sbatch_launches_every_node_and_requeues_after_the_notice(
+    tmp_path: Path,
+) -> None:
+    config = K8S / "config" / "pretrain.yaml"  # 65,536 / 32,768: fits 2 nodes x 8
+    env, log = _fake_slurm(tmp_path, nodes=2)
+    out = tmp_path / "out"
+    with out.open("wb") as f:
+        proc = subprocess.Popen(
+            _sbatch(config, "log_every_steps=5"), env=env, stdout=f, stderr=subprocess.STDOUT
+        )
+        try:
+            _wait_for([log / "rank-ready-0", log / "rank-ready-1"], proc)
+            proc.send_signal(signal.SIGTERM)  # --signal=B:TERM@180: the time-limit notice
+            status = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = out.read_text()
+    assert status == 143, text[-3000:]
+    assert (log / "requeued").read_text().split() == ["4242"], text[-3000:]
+    for node in (0, 1):
+        assert (log / f"rank-stopped-{node}").exists(), text[-3000:]
+        assert not (log / f"launcher-signalled-{node}").exists()
+        args = (log / f"args-{node}").read_text().splitlines()
+        assert args[:2] == ["--no_ssh", "--node_rank"] and args[2] == str(node)
+        opts = dict(zip(args[1:13:2], args[2:13:2], strict=True))
+        assert opts["--num_nodes"] == "2" and opts["--num_gpus"] == "8"
+        assert opts["--master_addr"] == "gpu-00"
+        assert args[13].endswith("/bertpipe") and args[14:] == [
+            "pretrain",
+            "--config",
+            str(config),
+            "log_every_steps=5",
+        ]
+        hostfile = (log / f"hostfile-{node}").read_text().splitlines()
+        assert hostfile == ["gpu-00 slots=8", "gpu-01 slots=8"]
+    assert "16 GPUs = 2 nodes x 8" in text  # the plan ran first
+
+
+@pytest.mark.integration
+def test_pretrain_sbatch_stops_on_an_invalid_plan_and_passes_success_through(
+    tmp_path: Path,
+) -> None:
+    config = K8S / "config" / "pretrain.yaml"
+    env, log = _fake_slurm(tmp_path / "bad", nodes=3)  # 24 GPUs do not divide 65,536
+    proc = subprocess.run(_sbatch(config), env=env, capture_output=True, text=True)
+    assert proc.returncode == 2 and "global_batch_size" in proc.stderr
+    assert not list(log.glob("args-*")), "launched despite the failed plan"
+    env, log = _fake_slurm(tmp_path / "good", nodes=1, FAKE_RANK_EXIT="0")
+    proc = subprocess.run(_sbatch(config), env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not (log / "requeued").exists()
