@@ -13,6 +13,8 @@ export DS_ACCELERATOR ?= cpu
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export TOKENIZERS_PARALLELISM ?= false
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
+# the environment's own tools (bertpipe, deepspeed, mlflow) first, activated or not
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: install demo test test-fast lint bench clean
 

@@ -43,7 +43,7 @@ class TokenizedDoc:
     """[n_sentences] int32, exclusive end offset of each sentence in ``tokens``."""
 
     def pack(self) -> bytes:
-        """Compact bytes for moving the document between pipeline workers (no pickle)."""
+        """Compact bytes for moving the document between workers (raw arrays, nothing pickled)."""
         doc_id = self.doc_id.encode("utf-8")
         code = b"H" if self.tokens.dtype == np.uint16 else b"i"
         header = np.array(

@@ -114,6 +114,17 @@ def _conll_files(tmp_path: Path) -> tuple[Path, Path]:
     return train, dev
 
 
+def _table_files(tmp_path: Path) -> tuple[Path, Path]:
+    """A regression table (an STS-B-like score per sentence pair) in JSON lines."""
+    rows = [(a, b, 5.0 if a == b else 0.5) for a in POSITIVE for b in POSITIVE[:3]]
+    text = "".join(json.dumps({"a": a, "b": b, "score": y}) + "\n" for a, b, y in rows)
+    train = tmp_path / "train.jsonl"
+    train.write_text(text * 3)
+    dev = tmp_path / "dev.jsonl"
+    dev.write_text(text)
+    return train, dev
+
+
 FAMILIES = {
     "glue": (_glue_files, ["task.family=glue", "task.name=sst-2"], "accuracy"),
     "squad": (
@@ -128,6 +139,18 @@ FAMILIES = {
         "f1",
     ),
     "conll": (_conll_files, ["task.family=conll", "task.name=ner"], "f1"),
+    "table": (
+        _table_files,
+        [
+            "task.family=table",
+            "task.name=pairs",
+            "task.kind=regression",
+            "task.text_a=a",
+            "task.text_b=b",
+            "task.label=score",
+        ],
+        "spearman",
+    ),
 }
 
 

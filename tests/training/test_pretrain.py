@@ -208,8 +208,9 @@ def test_two_ranks_zero2_two_nodes_and_universal_resume(
 ) -> None:
     """2 ranks on one node == 2 nodes of 1 rank (deepspeed --no_ssh --node_rank); a universal
     checkpoint of that run resumes on 1 rank."""
-    bertpipe = shutil.which("bertpipe")
-    assert bertpipe, "bertpipe must be installed (make install)"
+    bin_dir = Path(sys.executable).parent  # the environment's scripts, activated or not
+    bertpipe, deepspeed = str(bin_dir / "bertpipe"), str(bin_dir / "deepspeed")
+    assert Path(bertpipe).exists(), "bertpipe must be installed (make install)"
     results = {}
     for name in ("one_node", "two_nodes"):
         out = tmp_path / name
@@ -221,7 +222,7 @@ def test_two_ranks_zero2_two_nodes_and_universal_resume(
         if name == "one_node":
             procs = [
                 _launch(
-                    ["deepspeed", "--num_gpus", "2", "--master_port", "29631", *script], out / "log"
+                    [deepspeed, "--num_gpus", "2", "--master_port", "29631", *script], out / "log"
                 )
             ]
         else:
@@ -230,7 +231,7 @@ def test_two_ranks_zero2_two_nodes_and_universal_resume(
             procs = [
                 _launch(
                     [
-                        "deepspeed",
+                        deepspeed,
                         "--hostfile",
                         str(hostfile),
                         "--no_ssh",
