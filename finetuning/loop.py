@@ -38,15 +38,13 @@ from finetuning.heads import (
 )
 from training.config import OptimizerConfig
 from training.engine import DistInfo, deepspeed_config, init_distributed
+from training.export import TOKENIZER_FILES
 from training.model import BertModelConfig
 from training.optim import build_optimizer, warmup_decay
 
 log = logging.getLogger(__name__)
 
 __all__ = ["FinetuneResult", "Initialisation", "load_initialisation", "run_finetuning"]
-
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json")
-
 
 @dataclass
 class Initialisation:
