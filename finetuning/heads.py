@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.hf import load_into
-from training.model import BertModel, BertModelConfig, init_weights
+from training.model import BertModel, BertModelConfig, Dropout, init_weights
 
 __all__ = [
     "BertForQuestionAnswering",
@@ -75,7 +75,7 @@ class BertForSequenceClassification(BertTaskModel):
         self.num_labels = num_labels
         self.bert = BertModel(cfg)
         drop = cfg.hidden_dropout if classifier_dropout is None else classifier_dropout
-        self.dropout = nn.Dropout(drop)
+        self.dropout = Dropout(drop)
         self.classifier = nn.Linear(cfg.hidden_size, num_labels)
         self._init_head(self.classifier)
 
@@ -166,7 +166,7 @@ class BertForTokenClassification(BertTaskModel):
         self.num_labels = num_labels
         self.bert = BertModel(cfg, add_pooling_layer=False)
         drop = cfg.hidden_dropout if classifier_dropout is None else classifier_dropout
-        self.dropout = nn.Dropout(drop)
+        self.dropout = Dropout(drop)
         self.classifier = nn.Linear(cfg.hidden_size, num_labels)
         self._init_head(self.classifier)
 

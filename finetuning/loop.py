@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FinetuneResult", "Initialisation", "load_initialisation", "run_finetuning"]
 
+
 @dataclass
 class Initialisation:
     """Where the encoder comes from and the lineage that goes with it."""

@@ -281,7 +281,8 @@ class CreateInstancesFn(beam.DoFn):
             for shard, ref in refs:
                 yield "parts", ((phase.name, split, shard), ref)
             Metrics.counter(NAMESPACE, f"{phase.name}_{split}_instances").inc(counts["instances"])
-            yield "stats", (phase.name, {f"{split}.{k}": v for k, v in counts.items()})
+            stats = {f"{split}.{k}": v for k, v in counts.items()}
+            yield "stats", (phase.name, ("stats", stats))
 
     def _instances(
         self,
@@ -347,28 +348,31 @@ class WriteShardFn(beam.DoFn):
             write_tar(tar, samples)
         Metrics.counter(NAMESPACE, "shards_written").inc()
         Metrics.counter(NAMESPACE, "shard_bytes").inc(tar.size)
-        yield (
-            phase,
-            {
-                "split": split,
-                "file": name,
-                "instances": len(block),
-                "samples": -(-len(block) // size),
-                "bytes": tar.size,
-                "sha256": tar.sha256.hexdigest(),
-            },
-        )
+        record = {
+            "split": split,
+            "file": name,
+            "instances": len(block),
+            "samples": -(-len(block) // size),
+            "bytes": tar.size,
+            "sha256": tar.sha256.hexdigest(),
+        }
+        yield phase, ("shard", record)
 
 
 class WriteManifestFn(beam.DoFn):
-    """A phase's shard records and statistics -> ``manifest.json`` (written last)."""
+    """A phase's ``("shard", record)`` and ``("stats", counts)`` values -> ``manifest.json``."""
 
     def __init__(self, plan: Plan) -> None:
         self._plan = plan
 
-    def process(self, element: tuple[str, dict[str, list[Any]]]) -> Iterator[tuple[str, str]]:
-        phase_name, grouped = element
-        manifest = build_manifest(self._plan, phase_name, grouped["shards"], grouped["stats"])
+    def process(
+        self, element: tuple[str, Iterable[tuple[str, dict[str, Any]]]]
+    ) -> Iterator[tuple[str, str]]:
+        phase_name, values = element
+        values = list(values)
+        shards = [v for kind, v in values if kind == "shard"]
+        stats = [v for kind, v in values if kind == "stats"]
+        manifest = build_manifest(self._plan, phase_name, shards, stats)
         text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
         fsio.atomic_write_text(manifest_url(self._plan.cfg.output, phase_name), text)
         yield phase_name, text
@@ -530,18 +534,16 @@ def build_pipeline(p: beam.Pipeline, plan: Plan, files: list[str]) -> beam.PColl
         | "GroupByShard" >> beam.GroupByKey()
         | "WriteShards" >> beam.ParDo(WriteShardFn(plan))
     )
+    # statistics and shard records meet the shards' phase in one grouping: the manifest of a
+    # phase is written after all of its shards
     corpus_counts = (
         (read["counts"], tokenized["counts"])
         | "CorpusCounts" >> beam.Flatten()
-        | "PerPhase" >> beam.FlatMap(lambda c: [(name, c) for name in phase_names])
-    )
-    stats = (
-        (corpus_counts, instances["stats"])
-        | "AllStats" >> beam.Flatten()
-        | "SumStats" >> beam.CombinePerKey(SumCounts())
+        | "PerPhase" >> beam.FlatMap(lambda c: [(name, ("stats", c)) for name in phase_names])
     )
     return (
-        {"shards": shards, "stats": stats}
-        | "JoinByPhase" >> beam.CoGroupByKey()
+        (shards, instances["stats"], corpus_counts)
+        | "ByPhase" >> beam.Flatten()
+        | "GroupByPhase" >> beam.GroupByKey()
         | "WriteManifests" >> beam.ParDo(WriteManifestFn(plan))
     )

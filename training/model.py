@@ -176,6 +176,47 @@ def sinusoidal_table(num_positions: int, dim: int) -> Tensor:
     return table
 
 
+class _CpuDropout(torch.autograd.Function):
+    """Dropout whose mask comes from ``torch.rand(...) < keep``: the same Bernoulli(keep)
+    masks as ``F.dropout``, drawn about twice as fast on CPU as its ``bernoulli_``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, p: float) -> Tensor:
+        keep = 1.0 - p
+        # in place: uniform draws -> 1.0 where kept -> 1/keep where kept, 0 elsewhere
+        mask = torch.rand(x.shape, dtype=x.dtype, device=x.device).lt_(keep).mul_(1.0 / keep)
+        ctx.save_for_backward(mask)
+        return x * mask
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (mask,) = ctx.saved_tensors
+        return grad * mask, None
+
+
+def dropout(x: Tensor, p: float, training: bool) -> Tensor:
+    """``F.dropout``, with a faster mask on CPU (GPUs keep PyTorch's fused kernel)."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type == "cpu":
+        return _CpuDropout.apply(x, p)
+    return F.dropout(x, p, True)
+
+
+class Dropout(nn.Module):
+    """``nn.Dropout`` through :func:`dropout`."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        return dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
+
+
 class BertEmbeddings(nn.Module):
     """Word + segment + position embeddings, then LayerNorm and dropout: [B, S] -> [B, S, H]."""
 
@@ -197,7 +238,7 @@ class BertEmbeddings(nn.Module):
             "position_ids", torch.arange(cfg.max_position_embeddings), persistent=False
         )
         self.LayerNorm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = Dropout(cfg.hidden_dropout)
 
     def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
         S = input_ids.shape[1]
@@ -229,9 +270,18 @@ class BertSelfAttention(nn.Module):
             proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
             for proj in (self.query, self.key, self.value)
         )  # [B, A, S, D]
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
-        )
+        if self.training and self.dropout_p > 0 and x.device.type == "cpu":
+            # SDPA's CPU kernels cannot drop attention weights; it would fall back to this
+            # same computation with a slower dropout mask
+            scores = torch.matmul(q * self.head_dim**-0.5, k.transpose(-1, -2))
+            if mask is not None:
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            weights = dropout(scores.softmax(-1), self.dropout_p, True)
+            out = torch.matmul(weights, v)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
+            )
         return out.transpose(1, 2).reshape(B, S, H)
 
 
@@ -243,7 +293,7 @@ class BertSelfOutput(nn.Module):
         self.post_ln = not cfg.pre_layer_norm
         self.dense = nn.Linear(in_features or cfg.hidden_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.dropout = Dropout(cfg.hidden_dropout)
 
     def forward(self, hidden: Tensor, residual: Tensor) -> Tensor:
         """[B, S, in_features], [B, S, H] -> [B, S, H]."""

@@ -124,13 +124,14 @@ def test_create_instances_then_write_shards(
             assert all(isinstance(r, PartRef) for _, r in refs)
 
         def check_shards(records: list) -> None:  # type: ignore[type-arg]
-            counts = sorted(r["instances"] for _, r in records)
+            assert {(phase, kind) for phase, (kind, _) in records} == {("p64", "shard")}
+            counts = sorted(r["instances"] for _, (_, r) in records)
             assert counts[-1] - counts[0] <= 1  # one bucket deals evenly
-            assert all(r["file"].startswith("train-") for _, r in records)
+            assert all(r["file"].startswith("train-") for _, (_, r) in records)
 
         def check_stats(stats: list) -> None:  # type: ignore[type-arg]
-            ((phase, counts),) = stats
-            assert phase == "p64" and counts["train.instances"] > 30
+            ((phase, (kind, counts)),) = stats
+            assert phase == "p64" and kind == "stats" and counts["train.instances"] > 30
             assert counts["train.document_passes"] == 60
 
         assert_that(out["stats"], check_stats, label="stats")
