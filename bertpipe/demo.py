@@ -136,22 +136,24 @@ def _preprocess(out: Path, common: list[str]) -> object:
 
 def _pretrain(out: Path, common: list[str]) -> object:
     """Both phases of a tiny BERT on CPU, from configs/pretrain-demo.yaml."""
-    import yaml
-
-    from bertpipe.config import apply_overrides, from_dict
+    from bertpipe.config import load_config
     from training.config import PretrainConfig
     from training.trainer import run_pretraining
 
     recipe = Path(__file__).resolve().parents[1] / "configs" / "pretrain-demo.yaml"
     if not recipe.exists():
         raise FileNotFoundError(f"{recipe} is missing: run the demo from a bertpipe checkout")
-    data = yaml.safe_load(recipe.read_text())
-    data["output"] = str(out / "pretrain")
-    for phase, folder in zip(data["phases"], ("seq128", "seq512"), strict=True):
-        phase["data"] = str(out / "shards" / folder)
-    data["checkpoint"] = {**data.get("checkpoint", {}), "resume": "none"}
-    cfg = from_dict(
-        PretrainConfig, apply_overrides(data, [*common, "tracking.run_name=demo-pretrain"])
+    cfg = load_config(
+        PretrainConfig,
+        str(recipe),
+        [
+            f"output={out / 'pretrain'}",
+            f"phases[0].data={out / 'shards' / 'seq128'}",
+            f"phases[1].data={out / 'shards' / 'seq512'}",
+            "checkpoint.resume=none",
+            "tracking.run_name=demo-pretrain",
+            *common,
+        ],
     )
     if (out / "pretrain").exists():  # a fresh run each time the demo runs
         import shutil

@@ -98,13 +98,13 @@ def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
             labels,
         )
     if (source / "latest").exists():
-        from training.export import _tokenizer_folder, load_checkpoint_model
+        from training.export import load_checkpoint_model, tokenizer_folder
 
         model, state = load_checkpoint_model(str(source))
         return Initialisation(
             model.config,
             model.state_dict(),
-            cfg.tokenizer or _tokenizer_folder(state, None),
+            cfg.tokenizer or tokenizer_folder(state, None),
             state.mlflow_run_id,
             state.data_sha256,
             None,

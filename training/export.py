@@ -27,7 +27,7 @@ from training.model import BertForPreTraining, BertModelConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["export_checkpoint", "load_checkpoint_model"]
+__all__ = ["export_checkpoint", "load_checkpoint_model", "tokenizer_folder"]
 
 TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
 
@@ -72,7 +72,8 @@ def load_checkpoint_model(
     return model, state
 
 
-def _tokenizer_folder(state: ckpt.CheckpointState, tokenizer: str | None) -> str:
+def tokenizer_folder(state: ckpt.CheckpointState, tokenizer: str | None) -> str:
+    """``tokenizer`` if given, else the tokenizer the checkpoint's first phase was made with."""
     if tokenizer:
         return tokenizer
     phases = state.config.get("phases") or []
@@ -95,7 +96,7 @@ def export_checkpoint(
     from training.hf import save_hf_folder
 
     model, state = load_checkpoint_model(folder, tag)
-    source = _tokenizer_folder(state, tokenizer)
+    source = tokenizer_folder(state, tokenizer)
     tok = load_tokenizer(source)
     if tok.get_vocab_size() != model.config.vocab_size:
         raise ExportError(
