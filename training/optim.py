@@ -9,8 +9,10 @@
   per partition (the config refuses that combination). With fp16/bf16 at stage 0 DeepSpeed
   wraps a client optimizer in its unfused mixed-precision optimizer, which keeps one fp32
   master tensor per parameter, so the ratio stays per layer there too (tested).
-- :func:`build_optimizer`: AdamW as DeepSpeed's fused Adam on CUDA, its CPU Adam when the
-  optimizer is offloaded, torch's AdamW otherwise; or LAMB.
+  The step is multi-tensor and free of host synchronisation.
+- :func:`build_optimizer`: AdamW as ``optimizer.fused`` says (by default torch's fused AdamW
+  on GPU, its foreach AdamW on CPU), DeepSpeed's CPU Adam when the optimizer is offloaded;
+  or LAMB.
 - :func:`lr_lambda`: linear warmup to the peak, then linear (the paper) or polynomial
   (NVIDIA) decay to zero, as a multiplier for ``torch.optim.lr_scheduler.LambdaLR``. Steps are
   optimizer steps.
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from bertpipe.config import ConfigError
 from training.config import OptimizerConfig, PhaseSpec
 
 __all__ = ["Lamb", "build_optimizer", "lr_lambda", "param_groups", "warmup_decay"]
@@ -53,7 +56,12 @@ class Lamb(torch.optim.Optimizer):
 
     update = m_hat / (sqrt(v_hat) + eps) + weight_decay * w
     w <- w - lr * clip(||w|| / ||update||) * update, the ratio 1 when either norm is 0.
-    Bias correction as in Adam (NVIDIA's LAMB v2 recipe).
+    Bias correction as in Adam (NVIDIA's LAMB v2 recipe); the moments are fp32.
+
+    The step is multi-tensor (``torch._foreach_*``, one pass per param group, device and
+    dtype) and never waits for the device: the trust ratios stay on it, one 0-dim tensor per
+    parameter in ``state["trust_ratio"]``, and :meth:`trust_ratio_stats` reads them (once)
+    only when asked, for logging.
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class Lamb(torch.optim.Optimizer):
             "max_trust_ratio": max_trust_ratio,
         }
         super().__init__(params, defaults)
+        self._last_ratios: list[torch.Tensor] = []  # the last step's, one 1-D tensor per pass
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -80,56 +89,121 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        ratios = []
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad.float()
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-                state["step"] += 1
-                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-                exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step = state["step"]
-                m_hat = exp_avg / (1 - beta1**step)
-                v_hat = exp_avg_sq / (1 - beta2**step)
-                update = m_hat / (v_hat.sqrt() + group["eps"])
-                weight = p.float()
-                if group["weight_decay"]:
-                    update.add_(weight, alpha=group["weight_decay"])
-                w_norm = weight.norm()
-                u_norm = update.norm()
-                ratio = torch.where(
-                    (w_norm > 0) & (u_norm > 0),
-                    (w_norm / u_norm).clamp(max=group["max_trust_ratio"]),
-                    torch.ones_like(w_norm),
-                )
-                state["trust_ratio"] = float(ratio)
-                p.add_((update * ratio).to(p.dtype), alpha=-group["lr"])
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            for params in _by_device_and_dtype(with_grad):
+                ratios.append(self._update(group, params))
+        self._last_ratios = ratios
         return loss
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> torch.Tensor:
+        """One step for ``params`` (one group's, all on one device with one dtype); returns
+        their trust ratios, shape (len(params),), fp32."""
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in params]
+        for p, state in zip(params, states, strict=True):
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+            state["step"] += 1
+        grads = [p.grad.float() for p in params]  # type: ignore[union-attr]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        # bias corrections are host floats (the step counts are ints): no device read
+        updates = torch._foreach_div(exp_avgs, [1 - beta1 ** s["step"] for s in states])
+        denom = torch._foreach_div(exp_avg_sqs, [1 - beta2 ** s["step"] for s in states])
+        torch._foreach_sqrt_(denom)
+        torch._foreach_add_(denom, group["eps"])
+        torch._foreach_div_(updates, denom)
+        del denom
+        weights = [p.float() for p in params]  # the parameters themselves when fp32
+        if group["weight_decay"]:
+            torch._foreach_add_(updates, weights, alpha=group["weight_decay"])
+        w_norm = torch.stack(torch._foreach_norm(weights))
+        u_norm = torch.stack(torch._foreach_norm(updates))
+        ratio = torch.where(
+            (w_norm > 0) & (u_norm > 0),
+            (w_norm / u_norm).clamp(max=group["max_trust_ratio"]),
+            torch.ones_like(w_norm),
+        )
+        per_tensor = ratio.unbind()
+        for state, r in zip(states, per_tensor, strict=True):
+            state["trust_ratio"] = r
+        torch._foreach_mul_(updates, per_tensor)
+        if params[0].dtype != torch.float32:
+            updates = tuple(u.to(params[0].dtype) for u in updates)
+        torch._foreach_add_(params, updates, alpha=-group["lr"])
+        return ratio
+
+    def trust_ratio_stats(self) -> dict[str, float]:
+        """``min``, ``mean`` and ``max`` of the trust ratios of the tensors the last step
+        updated, in one device-to-host read; empty before the first step."""
+        if not self._last_ratios:
+            return {}
+        device = self._last_ratios[0].device
+        ratios = torch.cat([r.to(device) for r in self._last_ratios])
+        low, mean, high = torch.stack([ratios.min(), ratios.mean(), ratios.max()]).tolist()
+        return {"min": low, "mean": mean, "max": high}
+
+
+def _by_device_and_dtype(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` split by (device, dtype), in order: a foreach op takes one of each."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        buckets.setdefault((p.device, p.dtype), []).append(p)
+    return list(buckets.values())
 
 
 def build_optimizer(
     model: nn.Module, cfg: OptimizerConfig, lr: float, *, offload: bool
 ) -> torch.optim.Optimizer:
-    """The configured optimizer over ``model``'s parameters (see the module docstring)."""
+    """The configured optimizer over ``model``'s parameters (see the module docstring).
+
+    Raises :class:`ConfigError` for an AdamW implementation this machine or setup cannot use.
+    """
     groups = param_groups(model, cfg.weight_decay)
-    if cfg.name == "lamb":
+    if cfg.name == "lamb":  # its own multi-tensor step; the config refuses fused=deepspeed
         return Lamb(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if offload:
+        if cfg.fused != "auto":
+            raise ConfigError(
+                "optimizer.fused",
+                f"{cfg.fused} does not apply with zero.offload_optimizer=cpu, where DeepSpeed's "
+                "CPU Adam steps on the host; use fused=auto",
+            )
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, adamw_mode=True)
-    if torch.cuda.is_available():
+    if cfg.fused == "deepspeed":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                "optimizer.fused",
+                "deepspeed (FusedAdam) needs CUDA, and none is available; use auto or torch",
+            )
         from deepspeed.ops.adam import FusedAdam
 
         return FusedAdam(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, adam_w_mode=True)
-    return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps)
+    fused = cfg.fused == "torch" or (cfg.fused == "auto" and _steps_on_cuda(groups))
+    return torch.optim.AdamW(
+        groups, lr=lr, betas=cfg.betas, eps=cfg.eps, fused=fused, foreach=not fused
+    )
+
+
+def _steps_on_cuda(groups: list[dict[str, Any]]) -> bool:
+    """Whether every parameter is, or will be, on a CUDA device when the optimizer steps.
+
+    Both callers build the optimizer before ``deepspeed.initialize`` moves a CPU model to the
+    GPU, so CPU parameters count as CUDA ones when CUDA is available. Should they stay on the
+    CPU, torch's fused AdamW steps there too (torch 2.13 does; tested).
+    """
+    params = [p for group in groups for p in group["params"]]
+    return torch.cuda.is_available() and all(p.device.type in ("cuda", "cpu") for p in params)
 
 
 def lr_lambda(phase: PhaseSpec) -> Callable[[int], float]:

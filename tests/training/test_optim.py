@@ -1,5 +1,7 @@
 """Optimizer pieces: decay groups, the LR schedule, LAMB's per-layer trust ratio (also under
-DeepSpeed's mixed-precision wrapper at ZeRO 0), and the generated ds_config."""
+DeepSpeed's mixed-precision wrapper at ZeRO 0) and its multi-tensor step against a per-tensor
+transcription, which AdamW implementation ``optimizer.fused`` selects, and the generated
+ds_config."""
 
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-from bertpipe.config import load_config
-from training.config import PhaseSpec, PretrainConfig
+from bertpipe.config import ConfigError, load_config
+from training.config import OptimizerConfig, PhaseSpec, PretrainConfig
 from training.engine import ds_config
-from training.optim import Lamb, lr_lambda, param_groups
+from training.optim import Lamb, build_optimizer, lr_lambda, param_groups
 
 
 class Tiny(nn.Module):
@@ -73,15 +75,201 @@ def test_lamb_trust_ratio_is_per_tensor() -> None:
     model = Tiny()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     model(torch.randn(4, 6)).square().sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     opt = Lamb(param_groups(model, 0.01), lr=0.1, betas=(0.9, 0.999), eps=1e-6)
     opt.step()
     for name, param in model.named_parameters():
         wd = 0.0 if param.ndim < 2 or "LayerNorm" in name else 0.01
         want = _reference_lamb_step(before[name], grads[name], 0.1, wd)
         assert torch.allclose(param.detach(), want, atol=1e-6), name
-    ratios = [opt.state[p]["trust_ratio"] for p in model.parameters()]
+    ratios = [float(opt.state[p]["trust_ratio"]) for p in model.parameters()]
     assert len(set(round(r, 6) for r in ratios)) == len(ratios)  # one ratio per tensor
+    stats = opt.trust_ratio_stats()
+    assert stats == pytest.approx(
+        {"min": min(ratios), "mean": sum(ratios) / len(ratios), "max": max(ratios)}
+    )
+
+
+def _per_tensor_lamb(
+    weights: list[torch.Tensor],
+    grads_per_step: list[list[torch.Tensor | None]],
+    lr: float,
+    wd: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    max_ratio: float = 10.0,
+) -> tuple[list[torch.Tensor], list[float]]:
+    """LAMB written out one tensor at a time (the algorithm, not our code): the weights after
+    all steps and the trust ratios of the last one."""
+    beta1, beta2 = betas
+    weights = [w.clone() for w in weights]
+    moments: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
+    ratios: list[float] = []
+    for grads in grads_per_step:
+        ratios = []
+        for i, g in enumerate(grads):
+            if g is None:  # no gradient: no update, no step counted
+                continue
+            t, m, v = moments.get(i, (0, torch.zeros_like(g), torch.zeros_like(g)))
+            t, m, v = t + 1, beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+            moments[i] = (t, m, v)
+            m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
+            update = m_hat / (v_hat.sqrt() + eps) + wd * weights[i]
+            w_norm, u_norm = weights[i].norm(), update.norm()
+            ratio = min(float(w_norm / u_norm), max_ratio) if w_norm > 0 and u_norm > 0 else 1.0
+            weights[i] = weights[i] - lr * ratio * update
+            ratios.append(ratio)
+    return weights, ratios
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_lamb_foreach_step_matches_a_per_tensor_loop(wd: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (5,), (3, 4, 2), (6,), (4, 4)]
+    weights = [torch.randn(s, generator=gen) for s in shapes]
+    weights[3] = torch.zeros(6)  # a zero norm: ratio 1 until it moves (and with wd off)
+    weights[4] = weights[4] * 100.0  # a large norm: the ratio is clamped
+    grads_per_step: list[list[torch.Tensor | None]] = [
+        [torch.randn(s, generator=gen) for s in shapes] for _ in range(4)
+    ]
+    grads_per_step[2][1] = None  # one tensor skips a step: its own step count and moments
+    params = [nn.Parameter(w.clone()) for w in weights]
+    opt = Lamb([{"params": params, "weight_decay": wd}], lr=0.05, max_trust_ratio=5.0)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+    want, want_ratios = _per_tensor_lamb(weights, grads_per_step, 0.05, wd, max_ratio=5.0)
+    for i, (p, w) in enumerate(zip(params, want, strict=True)):
+        assert torch.allclose(p.detach(), w, rtol=1e-5, atol=1e-6), i
+    assert [float(opt.state[p]["trust_ratio"]) for p in params] == pytest.approx(want_ratios)
+    assert 5.0 in want_ratios  # the clamp was exercised
+    assert [opt.state[p]["step"] for p in params] == [4, 3, 4, 4, 4]
+    assert opt.trust_ratio_stats()["max"] == pytest.approx(5.0)
+
+
+def test_lamb_groups_by_dtype_and_casts_updates() -> None:
+    """fp32 and bf16 parameters in one group step as if each were alone (one foreach pass per
+    dtype); the bf16 one gets its update cast to bf16, its moments stay fp32."""
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 3), torch.randn(4).bfloat16()
+    ga, gb = torch.randn(5, 3), torch.randn(4).bfloat16()
+    mixed = [nn.Parameter(a.clone()), nn.Parameter(b.clone())]
+    alone = [nn.Parameter(a.clone()), nn.Parameter(b.clone())]
+    for p, g in zip(mixed + alone, [ga, gb, ga, gb], strict=True):
+        p.grad = g.clone()
+    opt = Lamb(mixed, lr=0.1)
+    opt.step()
+    for p in alone:
+        Lamb([p], lr=0.1).step()
+    for mine, theirs in zip(mixed, alone, strict=True):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+    assert opt.state[mixed[1]]["exp_avg"].dtype == torch.float32
+    assert Lamb(Tiny().parameters()).trust_ratio_stats() == {}  # no step yet
+
+
+def _build(
+    monkeypatch: pytest.MonkeyPatch, *, cuda: bool = False, offload: bool = False, **kw: object
+) -> torch.optim.Optimizer:
+    """build_optimizer on a CPU model, as if CUDA were (not) available; DeepSpeed's optimizers
+    are stand-ins that record their class, so nothing JIT-compiles."""
+    import deepspeed.ops.adam
+
+    class FakeFusedAdam(torch.optim.AdamW):
+        def __init__(self, params: object, adam_w_mode: bool, **kwargs: object) -> None:
+            super().__init__(params, **kwargs)  # type: ignore[arg-type]
+
+    class FakeCPUAdam(torch.optim.AdamW):
+        def __init__(self, params: object, adamw_mode: bool, **kwargs: object) -> None:
+            super().__init__(params, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(deepspeed.ops.adam, "FusedAdam", FakeFusedAdam, raising=False)
+    monkeypatch.setattr(deepspeed.ops.adam, "DeepSpeedCPUAdam", FakeCPUAdam, raising=False)
+    return build_optimizer(Tiny(), OptimizerConfig(**kw), 1e-3, offload=offload)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fused", "cuda", "want"),
+    [
+        ("auto", False, "foreach"),
+        ("auto", True, "torch-fused"),  # the model moves to the GPU in deepspeed.initialize
+        ("torch", False, "torch-fused"),  # torch >= 2.4 fuses on the CPU too
+        ("torch", True, "torch-fused"),
+        ("none", True, "foreach"),
+        ("deepspeed", True, "FakeFusedAdam"),
+    ],
+)
+def test_adamw_implementation_follows_fused(
+    monkeypatch: pytest.MonkeyPatch, fused: str, cuda: bool, want: str
+) -> None:
+    opt = _build(monkeypatch, cuda=cuda, fused=fused)
+    if want.startswith("Fake"):
+        assert type(opt).__name__ == want
+        return
+    assert type(opt) is torch.optim.AdamW
+    flags = {(g["fused"], g["foreach"]) for g in opt.param_groups}
+    assert flags == ({(True, False)} if want == "torch-fused" else {(False, True)})
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+
+
+def test_torch_fused_adamw_steps_on_the_cpu() -> None:
+    """What ``fused=torch`` on a CPU machine runs: the same AdamW as foreach, within rounding."""
+    torch.manual_seed(0)
+    model = Tiny()
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        m(torch.ones(2, 6)).square().sum().backward()
+    fused = build_optimizer(model, OptimizerConfig(fused="torch"), 1e-2, offload=False)
+    plain = build_optimizer(twin, OptimizerConfig(fused="none"), 1e-2, offload=False)
+    for _ in range(3):
+        fused.step()
+        plain.step()
+    for mine, theirs in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-6)
+
+
+def test_offload_and_lamb_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert type(_build(monkeypatch, offload=True)).__name__ == "FakeCPUAdam"
+    assert type(_build(monkeypatch, offload=True, cuda=True)).__name__ == "FakeCPUAdam"
+    for fused in ("torch", "deepspeed", "none"):
+        with pytest.raises(ConfigError, match=r"optimizer\.fused.*offload_optimizer=cpu"):
+            _build(monkeypatch, offload=True, fused=fused)
+    with pytest.raises(ConfigError, match=r"'optimizer\.fused'.*needs CUDA.*use auto or torch"):
+        _build(monkeypatch, cuda=False, fused="deepspeed")
+    for fused in ("auto", "torch", "none"):  # LAMB has one implementation
+        assert type(_build(monkeypatch, cuda=True, name="lamb", fused=fused)) is Lamb
+    with pytest.raises(ConfigError, match=r"'optimizer\.fused'.*FusedLamb.*use fused=auto"):
+        load_config(
+            PretrainConfig,
+            None,
+            ["optimizer.name=lamb", "optimizer.fused=deepspeed", "zero.stage=0"],
+        )
+
+
+def _skip_unless_deepspeed_supports(precision: str) -> None:
+    """Skip when DeepSpeed's accelerator refuses ``precision`` (its engine raises "Type fp16
+    is not supported on your device"). Its CPU accelerator always allows bf16, and fp16 only
+    where ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: oneDNN's fp16 path, a CPU with
+    AVX-512 FP16 or AVX-NE-CONVERT (Intel Sapphire Rapids and later), not e.g. AMD EPYC."""
+    if precision == "fp32":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if precision == "fp16" and not accelerator.is_fp16_supported():
+        why = (
+            "oneDNN reports no fp16 support (needs AVX-512 FP16 or AVX-NE-CONVERT, "
+            "torch.ops.mkldnn._is_mkldnn_fp16_supported() is False)"
+            if accelerator.device_name() == "cpu"
+            else "is_fp16_supported() is False"
+        )
+        pytest.skip(f"DeepSpeed's {accelerator.device_name()} accelerator refuses fp16: {why}")
+    if precision == "bf16" and not accelerator.is_bf16_supported():
+        pytest.skip(
+            f"DeepSpeed's {accelerator.device_name()} accelerator refuses bf16: "
+            "is_bf16_supported() is False"
+        )
 
 
 @pytest.mark.integration
@@ -89,6 +277,7 @@ def test_lamb_trust_ratio_is_per_tensor() -> None:
 def test_lamb_under_deepspeed_stage0_keeps_per_layer_ratios(precision: str) -> None:
     """At ZeRO 0 DeepSpeed's mixed-precision wrapper keeps one fp32 master per parameter, so a
     client LAMB computes true per-layer trust ratios (under ZeRO >= 1 the config refuses it)."""
+    _skip_unless_deepspeed_supports(precision)
     import deepspeed
 
     from training.engine import init_distributed
@@ -121,7 +310,7 @@ def test_lamb_under_deepspeed_stage0_keeps_per_layer_ratios(precision: str) -> N
     engine.step()
     # the basic optimizer saw every parameter as its own tensor
     assert len(opt.state) == len(list(reference.parameters()))
-    ratios = [s["trust_ratio"] for s in opt.state.values()]
+    ratios = [float(s["trust_ratio"]) for s in opt.state.values()]
     assert len({round(r, 5) for r in ratios}) >= 4  # per tensor, not one for a flat buffer
     ref_opt = Lamb(param_groups(reference, 0.01), lr=0.1, betas=(0.9, 0.999), eps=1e-6)
     reference(x).square().sum().backward()
