@@ -12,6 +12,14 @@ A micro-batch of B instances is a dict of int64 tensors (what
 
 S is the longest instance of the batch rounded up to a multiple of :data:`PAD_MULTIPLE`, so
 it never exceeds the phase's ``max_seq_length`` rounded up. N varies from batch to batch.
+
+:func:`unpad_batch` turns such a batch into the packed layout that the model's unpadded
+path takes (T = the batch's real tokens, no padding anywhere):
+
+- ``input_ids``, ``token_type_ids``, ``position_ids``  [T]  the real tokens, row after row
+- ``cu_seqlens``     [B + 1]  0, L_1, L_1 + L_2, ..., T (where each sequence starts)
+- ``seq_lengths``    tuple of B ints (host values: no device read to learn the lengths)
+- ``mlm_positions``  [N]  indices into the T tokens; ``mlm_labels``, ``nsp_labels`` as above
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ __all__ = [
     "pack_batch",
     "round_up",
     "unpack_batch",
+    "unpad_batch",
 ]
 
 PAD_MULTIPLE = 8
@@ -222,4 +231,28 @@ def unpack_batch(packed: Tensor) -> dict[str, Tensor]:
     shapes = [(B, S), (B, S), (B, S), (N,), (N,), (B,)]
     return {
         key: part.view(shape) for key, part, shape in zip(BATCH_KEYS, parts, shapes, strict=True)
+    }
+
+
+def unpad_batch(batch: Mapping[str, Tensor]) -> dict[str, Any]:
+    """A padded batch (host tensors, see the module docstring) in the packed layout.
+
+    Works for any attention mask, not only right-padding: every real token keeps its
+    column as its position, and the masked positions are renumbered into the packed rows.
+    """
+    mask = batch["attention_mask"].bool()
+    B, S = mask.shape
+    lengths = mask.sum(1)
+    flat = mask.reshape(-1)
+    packed_index = flat.cumsum(0) - 1  # [B*S]: packed row of each real token
+    columns = torch.arange(S, dtype=torch.int64).expand(B, S)
+    return {
+        "input_ids": batch["input_ids"][mask],
+        "token_type_ids": batch["token_type_ids"][mask],
+        "position_ids": columns[mask],
+        "cu_seqlens": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)),
+        "seq_lengths": tuple(lengths.tolist()),
+        "mlm_positions": packed_index[batch["mlm_positions"]],
+        "mlm_labels": batch["mlm_labels"],
+        "nsp_labels": batch["nsp_labels"],
     }

@@ -54,6 +54,13 @@ class ModelSpec:
     position_embedding: Literal["learned", "sinusoidal"] = "learned"
     activation_checkpointing: bool = False
     """Recompute layer activations in the backward pass (less memory, ~1/3 more compute)."""
+    unpad: bool = True
+    """Run the encoder on the real tokens only: padding is dropped after the loader, and
+    attention runs over variable-length sequences (FlashAttention varlen / SDPA on nested
+    tensors on a GPU). Equal to the padded computation; false computes padding too."""
+    compile: bool = False
+    """``torch.compile`` each layer (fuses bias + GELU, dropout + residual + LayerNorm);
+    the first steps are slower while graphs compile. Needs a C++ compiler on CPU."""
     init_from: str | None = None
     """Start from weights: an HF BERT folder (config.json + model.safetensors) or a bertpipe
     export. Null: BERT initialisation (normal, std 0.02)."""
@@ -137,9 +144,8 @@ class OptimizerConfig:
     """The optimizer (shared by all phases; each phase has its own peak learning rate)."""
 
     name: Literal["adamw", "lamb"] = "adamw"
-    """``adamw``: DeepSpeed's fused Adam on GPU, its CPU Adam with optimizer offload, torch's
-    AdamW otherwise. ``lamb``: LAMB with per-layer trust ratios (ZeRO stage 0 only, see
-    training/optim.py)."""
+    """``adamw``: AdamW as ``fused`` says, DeepSpeed's CPU Adam with optimizer offload.
+    ``lamb``: LAMB with per-layer trust ratios (ZeRO stage 0 only, see training/optim.py)."""
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-6
     """BERT's epsilon."""
@@ -147,12 +153,25 @@ class OptimizerConfig:
     """Decoupled weight decay; never applied to biases and LayerNorm weights."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm (0 disables)."""
+    fused: Literal["auto", "torch", "deepspeed", "none"] = "auto"
+    """AdamW's implementation. ``auto``: torch's fused AdamW on GPU, its multi-tensor (foreach)
+    AdamW on CPU. ``torch``: torch's fused AdamW (GPU or CPU). ``deepspeed``: DeepSpeed's
+    FusedAdam (CUDA only; JIT-compiles a CUDA op at start, minutes on a fresh machine).
+    ``none``: torch's foreach AdamW. With optimizer offload only ``auto`` (DeepSpeed's CPU
+    Adam). LAMB always runs its own multi-tensor step and refuses ``deepspeed``."""
 
     def __post_init__(self) -> None:
         if not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError("betas", "must be in [0, 1)")
         if self.eps <= 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ConfigError("eps", "eps must be positive, weight_decay and max_grad_norm >= 0")
+        if self.name == "lamb" and self.fused == "deepspeed":
+            raise ConfigError(
+                "fused",
+                "lamb has no DeepSpeed implementation: DeepSpeed's FusedLamb has other "
+                "semantics (its trust ratio is also clamped below, at 0.01); use fused=auto "
+                "(LAMB runs its own multi-tensor step)",
+            )
 
 
 @dataclass
@@ -207,6 +226,10 @@ class CheckpointConfig:
     """Save every N optimizer steps (0: only at phase ends and on SIGTERM)."""
     keep_last: int = 3
     """Keep this many newest checkpoints (phase-end ones are always kept)."""
+    preemption_check_steps: int = 10
+    """Every N optimizer steps (and at every log step) the ranks agree on whether a SIGTERM
+    arrived, which makes each rank wait for its device once; a SIGTERM is acted on within
+    N steps."""
     resume: str = "auto"
     """``auto``: continue from ``latest`` if there is one; ``none``: start fresh (refuses a
     folder that holds checkpoints); or a checkpoint tag such as ``global_step300``."""
@@ -219,6 +242,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.keep_last < 1:
             raise ConfigError("keep_last", "must be at least 1")
+        if self.preemption_check_steps < 1:
+            raise ConfigError("preemption_check_steps", "must be at least 1")
 
 
 @dataclass
@@ -236,6 +261,11 @@ class PretrainConfig:
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: Literal["fp32", "fp16", "bf16"] = "bf16"
     """fp16 uses a dynamic loss scale; bf16 and fp32 none."""
+    mixed_precision: Literal["weights", "autocast"] = "weights"
+    """With bf16: ``weights`` keeps the model in bf16 with fp32 master weights in the
+    optimizer (DeepSpeed's ``bf16`` section); ``autocast`` keeps fp32 weights and runs the
+    matmuls in bf16 under ``torch.autocast`` (DeepSpeed's ``torch_autocast``): more memory,
+    fp32 accumulation of gradients."""
     loss_scale_power: int = 16
     """fp16: the initial dynamic loss scale is 2^this."""
     seed: int = 42
@@ -267,6 +297,12 @@ class PretrainConfig:
             )
         if self.log_every_steps < 1:
             raise ConfigError("log_every_steps", "must be at least 1")
+        if self.mixed_precision == "autocast" and self.precision != "bf16":
+            raise ConfigError(
+                "mixed_precision",
+                f"autocast needs precision=bf16 (got {self.precision}); use "
+                "mixed_precision=weights",
+            )
 
     @property
     def checkpoint_dir(self) -> str:

@@ -90,6 +90,7 @@ def ds_config(cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> dict[st
         max_grad_norm=cfg.optimizer.max_grad_norm,
         loss_scale_power=cfg.loss_scale_power,
         universal=cfg.checkpoint.universal,
+        mixed_precision=cfg.mixed_precision,
     )
 
 
@@ -103,6 +104,7 @@ def deepspeed_config(
     max_grad_norm: float,
     loss_scale_power: int = 16,
     universal: bool = False,
+    mixed_precision: str = "weights",
 ) -> dict[str, Any]:
     """A DeepSpeed JSON config (pre-training and fine-tuning share it)."""
     accumulation = global_batch_size // (micro_batch_size * world_size)
@@ -138,6 +140,9 @@ def deepspeed_config(
             "hysteresis": 2,
             "min_loss_scale": 1,
         }
+    elif precision == "bf16" and mixed_precision == "autocast":
+        # fp32 weights and optimizer; Linear layers run in bf16 under torch.autocast
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif precision == "bf16":
         config["bf16"] = {"enabled": True}
     return config

@@ -8,10 +8,13 @@ negligible next to them and left out.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+
+import numpy as np
 
 from training.model import BertModelConfig
 
-__all__ = ["PEAK_TFLOPS", "mfu", "peak_flops", "training_flops_per_sequence"]
+__all__ = ["PEAK_TFLOPS", "mfu", "peak_flops", "training_flops", "training_flops_per_sequence"]
 
 # Dense (no sparsity) peak tensor/vector throughput in TFLOP/s from the vendors' data sheets.
 # Device patterns are regular expressions searched in torch.cuda.get_device_name(); the first
@@ -62,11 +65,26 @@ def training_flops_per_sequence(
 
     Without checkpointing this is the model FLOPs of MFU; with it, the hardware FLOPs.
     """
+    return training_flops(cfg, [seq_len], num_masked, activation_checkpointing)
+
+
+def training_flops(
+    cfg: BertModelConfig,
+    lengths: Sequence[int] | np.ndarray,
+    num_masked: int,
+    activation_checkpointing: bool = False,
+) -> float:
+    """FLOPs of one training step of a batch whose sequences have ``lengths`` (S_i) and
+    ``num_masked`` MLM positions in all: :func:`training_flops_per_sequence` summed over the
+    sequences, so it counts what an unpadded encoder computes. Give the padded length for
+    every row to count what a padded encoder computes."""
     H, I, L = cfg.hidden_size, cfg.ffn_size, cfg.num_layers  # noqa: E741
-    S, V = seq_len, cfg.padded_vocab_size
-    layer = 4 * 2 * S * H * H + 2 * 2 * S * H * I + 2 * 2 * S * S * H
-    encoder = L * layer
-    forward = encoder + 2 * H * H + 2 * H * 2 + num_masked * (2 * H * H + 2 * H * V)
+    V = cfg.padded_vocab_size
+    S = np.asarray(lengths, dtype=np.float64)
+    tokens, squares = float(S.sum()), float((S * S).sum())
+    encoder = L * ((4 * 2 * H * H + 2 * 2 * H * I) * tokens + 2 * 2 * H * squares)
+    heads = S.size * (2 * H * H + 2 * H * 2) + num_masked * (2 * H * H + 2 * H * V)
+    forward = encoder + heads
     return float(3 * forward + (encoder if activation_checkpointing else 0))
 
 

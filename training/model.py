@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from bertpipe.config import ConfigError
+from training.attention import Varlen, varlen_attention
 
 __all__ = [
     "PRESETS",
@@ -34,6 +35,8 @@ __all__ = [
     "BertModelConfig",
     "BertModelOutput",
     "PreTrainingOutput",
+    "Varlen",
+    "compile_layers",
     "init_weights",
 ]
 
@@ -240,18 +243,29 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
         self.dropout = Dropout(cfg.hidden_dropout)
 
-    def forward(self, input_ids: Tensor, token_type_ids: Tensor) -> Tensor:
-        S = input_ids.shape[1]
+    def forward(
+        self, input_ids: Tensor, token_type_ids: Tensor, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """[B, S] -> [B, S, H] (positions 0..S-1), or packed [T] with ``position_ids`` [T]
+        (each token's position in its sequence) -> [T, H]."""
+        if position_ids is None:
+            position_ids = self.position_ids[: input_ids.shape[1]]
         x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
         if self.position_embeddings is not None:
-            x = x + self.position_embeddings(self.position_ids[:S])
+            x = x + self.position_embeddings(position_ids)
         else:
-            x = x + self.sinusoidal_table[:S].to(x.dtype)
+            x = x + self.sinusoidal_table[position_ids].to(x.dtype)
         return self.dropout(self.LayerNorm(x))
 
 
+AttentionMask = Tensor | Varlen | None
+"""A bool key mask [B, 1, 1, S] (padded layout), a :class:`Varlen` (packed layout, [T, H]
+hidden states) or None (padded layout, every token real)."""
+
+
 class BertSelfAttention(nn.Module):
-    """Multi-head self-attention with SDPA: [B, S, H] -> [B, S, H] (before the output Linear)."""
+    """Multi-head self-attention: [B, S, H] -> [B, S, H] with SDPA, or packed [T, H] -> [T, H]
+    with :func:`training.attention.varlen_attention` (before the output Linear)."""
 
     def __init__(self, cfg: BertModelConfig) -> None:
         super().__init__()
@@ -263,12 +277,17 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(H, H)
         self.value = nn.Linear(H, H)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        """``mask``: bool [B, 1, 1, S], True where a key is a real token (None: all real)."""
+    def forward(self, x: Tensor, mask: AttentionMask) -> Tensor:
+        """``mask``: bool [B, 1, 1, S], True where a key is a real token (None: all real), or
+        the :class:`Varlen` of packed ``x`` [T, H]."""
+        dropout_p = self.dropout_p if self.training else 0.0
+        if isinstance(mask, Varlen):
+            T, H = x.shape
+            q, k, v = (proj(x).view(T, self.num_heads, self.head_dim) for proj in self.qkv())
+            return varlen_attention(q, k, v, mask, dropout_p).reshape(T, H)
         B, S, H = x.shape
         q, k, v = (
-            proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
-            for proj in (self.query, self.key, self.value)
+            proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2) for proj in self.qkv()
         )  # [B, A, S, D]
         if self.training and self.dropout_p > 0 and x.device.type == "cpu":
             # SDPA's CPU kernels cannot drop attention weights; it would fall back to this
@@ -279,10 +298,11 @@ class BertSelfAttention(nn.Module):
             weights = dropout(scores.softmax(-1), self.dropout_p, True)
             out = torch.matmul(weights, v)
         else:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
-            )
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
         return out.transpose(1, 2).reshape(B, S, H)
+
+    def qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.query, self.key, self.value
 
 
 class BertSelfOutput(nn.Module):
@@ -310,8 +330,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg)
         self.output = BertSelfOutput(cfg)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        """[B, S, H] -> [B, S, H]."""
+    def forward(self, x: Tensor, mask: AttentionMask) -> Tensor:
+        """[B, S, H] -> [B, S, H], or packed [T, H] -> [T, H]."""
         h = self.output.LayerNorm(x) if self.pre_ln else x
         return self.output(self.self(h, mask), x)
 
@@ -344,7 +364,7 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertOutput(cfg)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, mask: AttentionMask) -> Tensor:
         x = self.attention(x, mask)
         h = self.output.LayerNorm(x) if self.pre_ln else x
         return self.output(self.intermediate(h), x)
@@ -361,7 +381,7 @@ class BertEncoder(nn.Module):
         if cfg.pre_layer_norm:
             self.final_layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, mask: AttentionMask) -> Tensor:
         recompute = self.activation_checkpointing and self.training and torch.is_grad_enabled()
         for layer in self.layer:
             x = checkpoint(layer, x, mask, use_reentrant=False) if recompute else layer(x, mask)
@@ -369,20 +389,20 @@ class BertEncoder(nn.Module):
 
 
 class BertPooler(nn.Module):
-    """Dense + tanh on the [CLS] token: [B, S, H] -> [B, H]."""
+    """Dense + tanh on the [CLS] token's state: [B, H] -> [B, H]."""
 
     def __init__(self, cfg: BertModelConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return torch.tanh(self.dense(x[:, 0]))
+    def forward(self, cls_state: Tensor) -> Tensor:
+        return torch.tanh(self.dense(cls_state))
 
 
 @dataclasses.dataclass
 class BertModelOutput:
     sequence_output: Tensor
-    """Last layer's hidden states [B, S, H]."""
+    """Last layer's hidden states [B, S, H], or [T, H] for packed input."""
     pooled_output: Tensor | None
     """Pooled [CLS] representation [B, H]; None without a pooler."""
 
@@ -405,14 +425,30 @@ class BertModel(nn.Module):
         input_ids: Tensor,
         token_type_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
+        *,
+        position_ids: Tensor | None = None,
+        varlen: Varlen | None = None,
     ) -> BertModelOutput:
-        """``input_ids``/``token_type_ids`` long [B, S]; ``attention_mask`` [B, S], 1/True for
-        real tokens (None: all real; every row needs at least one real token)."""
+        """Padded layout: ``input_ids``/``token_type_ids`` long [B, S]; ``attention_mask``
+        [B, S], 1/True for real tokens (None: all real; every row needs a real token).
+
+        Packed (unpadded) layout, with ``varlen``: ``input_ids``, ``token_type_ids`` and
+        ``position_ids`` long [T], the real tokens of B sequences one after the other (see
+        :func:`training.collate.unpad_batch`); no attention mask. The encoder then computes
+        nothing for padding, and ``sequence_output`` is [T, H].
+        """
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
-        mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
-        x = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
-        pooled = self.pooler(x) if self.pooler is not None else None
+        if varlen is not None:
+            if position_ids is None or attention_mask is not None:
+                raise ValueError("packed input takes position_ids and no attention_mask")
+            x = self.encoder(self.embeddings(input_ids, token_type_ids, position_ids), varlen)
+            first = x.index_select(0, varlen.starts)
+        else:
+            mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+            x = self.encoder(self.embeddings(input_ids, token_type_ids), mask)
+            first = x[:, 0]
+        pooled = self.pooler(first) if self.pooler is not None else None
         return BertModelOutput(sequence_output=x, pooled_output=pooled)
 
 
@@ -502,16 +538,28 @@ class BertForPreTraining(nn.Module):
         mlm_positions: Tensor | None = None,
         mlm_labels: Tensor | None = None,
         nsp_labels: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        seq_lengths: tuple[int, ...] | None = None,
     ) -> PreTrainingOutput:
-        """Inputs as :meth:`BertModel.forward`.
+        """Inputs as :meth:`BertModel.forward`; the packed layout is given by ``cu_seqlens``
+        (long [B + 1] on the device) with ``seq_lengths`` (the B lengths, host ints).
 
         ``mlm_positions``: long [N], flat indices ``row * S + col`` into the batch's B*S
-        positions; ``mlm_labels``: long [N] original token ids there (-100 = ignore, for
-        padded fixed-size position lists). Without positions the head runs everywhere and
-        ``mlm_labels``, if given, is [B, S] with -100 at unmasked tokens (transformers' way).
+        positions (packed: indices into the T tokens); ``mlm_labels``: long [N] original
+        token ids there (-100 = ignore, for padded fixed-size position lists). Without
+        positions the head runs everywhere and ``mlm_labels``, if given, is [B, S] with
+        -100 at unmasked tokens (transformers' way).
         ``nsp_labels``: long [B], 0 = B follows A, 1 = B is random.
         """
-        out = self.bert(input_ids, token_type_ids, attention_mask)
+        varlen = None
+        if cu_seqlens is not None:
+            if seq_lengths is None:
+                raise ValueError("packed input needs seq_lengths (host ints) with cu_seqlens")
+            varlen = Varlen(cu_seqlens, tuple(seq_lengths))
+        out = self.bert(
+            input_ids, token_type_ids, attention_mask, position_ids=position_ids, varlen=varlen
+        )
         tokens = out.sequence_output
         if mlm_positions is not None:
             tokens = tokens.reshape(-1, tokens.shape[-1]).index_select(0, mlm_positions)
@@ -531,3 +579,20 @@ class BertForPreTraining(nn.Module):
         losses = [t for t in (result.mlm_loss, result.nsp_loss) if t is not None]
         result.loss = sum(losses[1:], losses[0]) if losses else None
         return result
+
+
+def compile_layers(model: nn.Module, **options: Any) -> int:
+    """``torch.compile`` the parts of ``model`` between attentions, in place
+    (``nn.Module.compile``: parameter names and state dicts stay as they are): each layer's
+    output projections with dropout + residual + LayerNorm, its first feed-forward Linear with
+    GELU, and the MLM transform, so that those fuse into single kernels. Attention and the
+    Q/K/V projections stay eager: their inputs carry the batch's sequence lengths, which a
+    graph would be specialised on. Shapes are dynamic, so packed batches of varying token
+    counts reuse one graph. Returns the number of modules compiled."""
+    options = {"dynamic": True, **options}
+    count = 0
+    for module in model.modules():
+        if isinstance(module, BertSelfOutput | BertIntermediate | BertPredictionHeadTransform):
+            module.compile(**options)
+            count += 1
+    return count

@@ -35,8 +35,9 @@ from bertpipe.progress import ProgressLine
 from training import checkpoint as ckpt
 from training.config import PhaseSpec, PretrainConfig
 from training.engine import DistInfo, build_engine, ds_config, init_distributed
-from training.flops import mfu, peak_flops, training_flops_per_sequence
-from training.model import BertForPreTraining, BertModelConfig
+from training.flops import mfu, peak_flops
+from training.model import BertForPreTraining, BertModelConfig, compile_layers
+from training.step import BatchPrep, BatchStats
 
 log = logging.getLogger(__name__)
 
@@ -148,30 +149,22 @@ class _StopFlag:
 
 
 class _Window:
-    """Sums over the optimizer steps since the last log line (this rank), kept on the device
-    so that logging does not force a synchronisation at every micro-step."""
+    """Sums over the optimizer steps since the last log line (this rank). Losses and counts
+    stay on the device, so that no step waits for the device; what the batches held and cost
+    (:class:`~training.step.BatchStats`) and the time spent waiting for data are host sums."""
 
-    FIELDS = (
-        "loss",
-        "mlm_loss",
-        "nsp_loss",
-        "mlm_correct",
-        "mlm_count",
-        "nsp_correct",
-        "sequences",
-        "tokens",
-        "flops",
-    )
+    FIELDS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct")
+    HOST_FIELDS = ("sequences", "tokens", "padded_tokens", "flops", "padded_flops", "data_wait")
 
     def __init__(self, device: torch.device) -> None:
         self.sums = torch.zeros(len(self.FIELDS), dtype=torch.float64, device=device)
+        self.batch = BatchStats()
+        self.data_wait = 0.0
         self.steps = 0
         self.lr = 0.0
         self.started = time.monotonic()
 
-    def add(
-        self, out: Any, batch: dict[str, torch.Tensor], flops: float, accumulation: int
-    ) -> None:
+    def add(self, out: Any, stats: BatchStats, accumulation: int) -> None:
         values = torch.stack(
             [
                 out.loss.detach().double() / accumulation,
@@ -182,15 +175,17 @@ class _Window:
                 out.nsp_correct.double(),
             ]
         )
-        self.sums[:6] += values
-        self.sums[6] += batch["input_ids"].shape[0]
-        self.sums[7] += batch["attention_mask"].sum().double()
-        self.sums[8] += flops
+        self.sums += values
+        self.batch += stats
 
     def reduce(self, world: int) -> dict[str, float]:
-        values = self.sums.clone()
+        b = self.batch
+        host = [b.sequences, b.real_tokens, b.padded_tokens, b.flops, b.padded_flops]
+        values = torch.cat(
+            [self.sums, torch.tensor([*host, self.data_wait], dtype=torch.float64).to(self.sums)]
+        )
         dist.all_reduce(values)
-        total = dict(zip(self.FIELDS, values.tolist(), strict=True))
+        total = dict(zip(self.FIELDS + self.HOST_FIELDS, values.tolist(), strict=True))
         seconds = max(time.monotonic() - self.started, 1e-9)
         steps = max(self.steps, 1)
         return {
@@ -201,12 +196,11 @@ class _Window:
             "nsp_accuracy": total["nsp_correct"] / max(total["sequences"], 1.0),
             "samples_per_s": total["sequences"] / seconds,
             "tokens_per_s": total["tokens"] / seconds,
+            "padding_fraction": 1.0 - total["tokens"] / max(total["padded_tokens"], 1.0),
             "tflops_per_device": total["flops"] / seconds / world / 1e12,
+            "padded_tflops_per_device": total["padded_flops"] / seconds / world / 1e12,
+            "data_wait_fraction": total["data_wait"] / world / seconds,
         }
-
-
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 def _memory_metrics(device: torch.device) -> dict[str, float]:
@@ -255,7 +249,8 @@ class Trainer:
             return None
         return peak_flops(torch.cuda.get_device_name(self.info.device), self.cfg.precision)
 
-    def _new_model(self) -> BertForPreTraining:
+    def new_model(self) -> BertForPreTraining:
+        """The phase's model: the same initial weights on every rank, compiled if asked."""
         torch.manual_seed(self.cfg.seed)  # the same initial weights on every rank
         model = BertForPreTraining(self.model_cfg)
         if self.cfg.model.init_from:
@@ -264,6 +259,8 @@ class Trainer:
             _, weights = load_hf_folder(self.cfg.model.init_from)
             load_into(model, weights, strict_heads=False)
         torch.manual_seed(self.cfg.seed + 1000 * self.info.rank)  # dropout differs per rank
+        if self.cfg.model.compile:
+            compile_layers(model)
         return model
 
     def _start(self) -> tuple[int, str | None]:
@@ -352,7 +349,7 @@ class Trainer:
 
         cfg, phase = self.cfg, self.cfg.phases[index]
         accumulation = self.accumulation[phase.name]
-        model = self._new_model()
+        model = self.new_model()
         engine, dsconf = build_engine(model, cfg, phase, self.world)
         phase_step = 0
         data_state: dict[str, int] | None = None
@@ -377,27 +374,29 @@ class Trainer:
         window = _Window(self.info.device)
         batches = iter(loader)
         ended = phase_step >= phase.max_steps
+        prep = BatchPrep(self.model_cfg, self.info.device, unpad=cfg.model.unpad)
         while not ended:
             window.lr = float(engine.optimizer.param_groups[0]["lr"])  # this update's rate
             for _ in range(accumulation):
-                batch = _to_device(next(batches), self.info.device)
+                waited = time.perf_counter()
+                host = next(batches)
+                window.data_wait += time.perf_counter() - waited
+                batch, stats = prep(host)
                 out = engine(**batch)
                 engine.backward(out.loss)
                 engine.step()
-                # model FLOPs (no recomputation counted), the numerator of MFU
-                flops = batch["input_ids"].shape[0] * training_flops_per_sequence(
-                    self.model_cfg,
-                    batch["input_ids"].shape[1],
-                    round(batch["mlm_positions"].numel() / batch["input_ids"].shape[0]),
-                )
-                window.add(out, batch, flops, accumulation)
+                window.add(out, stats, accumulation)
             phase_step += 1
             self.global_step += 1
             self.samples_seen += phase.micro_batch_size * accumulation
             window.steps += 1
             ended = phase_step >= phase.max_steps
-            stopping = self.stop.agreed(self.info.device)
-            if phase_step % cfg.log_every_steps == 0 or ended:
+            logging_now = phase_step % cfg.log_every_steps == 0 or ended
+            # the stop flag costs a device read: only every few steps, never in between
+            stopping = (
+                logging_now or phase_step % cfg.checkpoint.preemption_check_steps == 0
+            ) and self.stop.agreed(self.info.device)
+            if logging_now:
                 self._log_window(engine, window, phase, phase_step, progress)
                 window = _Window(self.info.device)
             if cfg.eval.every_steps and phase_step % cfg.eval.every_steps == 0 and not ended:
@@ -524,7 +523,8 @@ class Trainer:
             metrics["loss_scale"] = scale
         utilisation = mfu(metrics["tflops_per_device"] * 1e12, self.peak)
         if utilisation is not None:
-            metrics["mfu"] = utilisation
+            metrics["mfu"] = utilisation  # on real tokens
+            metrics["mfu_padded"] = mfu(metrics["padded_tflops_per_device"] * 1e12, self.peak)
         metrics.update(_memory_metrics(self.info.device))
         metrics["phase_step"] = phase_step
         if not self.info.is_main:
@@ -581,10 +581,11 @@ class Trainer:
             return {}
         engine.eval()
         window = _Window(self.info.device)
-        for batch in loader:
-            batch = _to_device(batch, self.info.device)
+        prep = BatchPrep(self.model_cfg, self.info.device, unpad=self.cfg.model.unpad)
+        for host in loader:
+            batch, stats = prep(host)
             out = engine(**batch)
-            window.add(out, batch, 0.0, 1)
+            window.add(out, stats, 1)
             window.steps += 1
         engine.train()
         metrics = window.reduce(self.world)
