@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "preprocess": ("preprocessing.bench", "Beam job vs the tokenizer alone, one core"),
     "model": ("training.bench_model", "forward+backward of our BERT vs transformers', CPU"),
     "loader": ("training.bench_loader", "pre-training loader: decoded, collated instances/s"),
+    "train": ("training.bench_train", "optimizer steps of the real trainer path: seq/s, MFU"),
 }
 
 

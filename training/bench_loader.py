@@ -51,16 +51,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", help="keep the shards here (default: a temp dir)")
 
 
-def _synthetic_block(rng: Any, n: int, masking: Any) -> Any:
-    """``n`` random instances as an InstanceBlock, masked with ``masking`` unless None."""
+def loader_lengths(rng: Any, n: int, seq_len: int) -> Any:
+    """This benchmark's lengths: 90% ``seq_len``, 10% uniform in [16, seq_len)."""
+    import numpy as np
+
+    lengths = np.full(n, seq_len, dtype=np.int64)
+    short = rng.random(n) < 0.1
+    lengths[short] = rng.integers(16, seq_len, int(short.sum()))
+    return lengths
+
+
+def _synthetic_block(
+    rng: Any, n: int, masking: Any, seq_len: int = SEQ_LEN, lengths_fn: Any = loader_lengths
+) -> Any:
+    """``n`` random instances as an InstanceBlock, masked with ``masking`` unless None;
+    ``lengths_fn(rng, n, seq_len)`` draws their lengths."""
     import numpy as np
 
     from preprocessing.masking import mask_block
     from preprocessing.shard_format import InstanceBlock
 
-    lengths = np.full(n, SEQ_LEN, dtype=np.int64)
-    short = rng.random(n) < 0.1
-    lengths[short] = rng.integers(16, SEQ_LEN, int(short.sum()))
+    lengths = lengths_fn(rng, n, seq_len)
     a_end = (lengths * rng.uniform(0.2, 0.8, n)).astype(np.int64).clip(2, lengths - 2)
     tokens = rng.integers(1000, VOCAB_SIZE, int(lengths.sum())).astype(np.uint16)
     starts = np.cumsum(lengths) - lengths
@@ -74,7 +85,17 @@ def _synthetic_block(rng: Any, n: int, masking: Any) -> Any:
     return block if masking is None else mask_block(block, masking, rng)
 
 
-def write_shards(folder: str, instances: int, shards: int, masked: bool, seed: int = 0) -> int:
+def write_shards(
+    folder: str,
+    instances: int,
+    shards: int,
+    masked: bool,
+    seed: int = 0,
+    *,
+    seq_len: int = SEQ_LEN,
+    max_predictions: int = MAX_PREDICTIONS,
+    lengths_fn: Any = loader_lengths,
+) -> int:
     """Write the synthetic phase folder (shards + manifest.json); returns the bytes written."""
     import numpy as np
 
@@ -83,13 +104,13 @@ def write_shards(folder: str, instances: int, shards: int, masked: bool, seed: i
     from preprocessing.masking import MaskingSpec
     from preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION, write_tar
 
-    spec = MaskingSpec(0.15, MAX_PREDICTIONS, SPECIALS["mask"], VOCAB_SIZE, (0, 100, 101, 102, 103))
+    spec = MaskingSpec(0.15, max_predictions, SPECIALS["mask"], VOCAB_SIZE, (0, 100, 101, 102, 103))
     counts = np.full(shards, instances // shards)
     counts[: instances % shards] += 1
     records = []
     for shard, count in enumerate(counts.tolist()):
         rng = rng_for(seed, "bench-loader", shard)
-        block = _synthetic_block(rng, count, spec if masked else None)
+        block = _synthetic_block(rng, count, spec if masked else None, seq_len, lengths_fn)
         samples = (
             (f"{shard:05d}-{i:06d}", part.to_sample())
             for i, part in enumerate(block.split(INSTANCES_PER_SAMPLE))
@@ -109,9 +130,9 @@ def write_shards(folder: str, instances: int, shards: int, masked: bool, seed: i
     manifest = {
         "format": FORMAT_NAME,
         "schema_version": SCHEMA_VERSION,
-        "phase": "seq128",
-        "max_seq_length": SEQ_LEN,
-        "max_predictions_per_seq": MAX_PREDICTIONS,
+        "phase": f"seq{seq_len}",
+        "max_seq_length": seq_len,
+        "max_predictions_per_seq": max_predictions,
         "masking": "static" if masked else "none",
         "token_dtype": "uint16",
         "vocab_size": VOCAB_SIZE,
