@@ -16,7 +16,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK = 1
 # the environment's own tools (bertpipe, deepspeed, mlflow) first, activated or not
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint bench clean gpu-wheels gpu-check
 
 install: $(VENV)/.installed
 
@@ -46,3 +46,14 @@ bench: install
 
 clean:
 	rm -rf runs .cache .pytest_cache .ruff_cache
+
+# GPU check (infra/gpu/README.md). gpu-wheels runs here (it needs PyPI): the wheels the GPU
+# machine lacks, into .gpu-wheels/. gpu-check runs on the GPU machine, without network or
+# .venv: it depends on no other target, and DeepSpeed must use CUDA there, not the cpu above.
+OUT_DIR ?= runs/gpu-check
+
+gpu-wheels: install
+	PYTHON=$(CURDIR)/$(BIN)/python bash infra/gpu/wheels.sh
+
+gpu-check:
+	env -u DS_ACCELERATOR OUT_DIR="$(OUT_DIR)" bash infra/gpu/check.sh
