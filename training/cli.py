@@ -42,9 +42,24 @@ def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:
         summary = run_pretraining(cfg)
     except PreemptedError:
         return PREEMPTED_EXIT_CODE
+    finally:
+        _leave_process_group()
     if summary:
         sys.stdout.write(json.dumps(summary) + "\n")
     return 0
+
+
+def _leave_process_group() -> None:
+    """Shut the process group down before the interpreter exits: left to exit-time
+    destructors, gloo's threads sometimes abort the process ("terminate called without an
+    active exception") after the work is done."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:

@@ -39,6 +39,8 @@
 # Exit status: 0 when every run that ran succeeded, 1 when one failed, 2 when the set-up
 # (install, imports, no GPU) failed.
 set -uo pipefail
+# every run below is its own one-process job: not part of a job this shell may sit in
+unset RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
 export LC_ALL=C
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
