@@ -149,6 +149,12 @@ class _Timer:
         self._t = now
 
 
+def _step_figures(stats: Any) -> dict[str, float]:
+    """A step's :class:`~training.step.BatchStats` as the figures :func:`_figures` sums."""
+    keys = ("sequences", "real_tokens", "padded_tokens", "flops", "padded_flops")
+    return {k: float(getattr(stats, k)) for k in keys}
+
+
 def _noop() -> None:
     return None
 
@@ -275,13 +281,7 @@ def _run_ours(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str,
         engine.step()
         timer.mark("optimizer")
         losses.append(out.loss.detach())
-        return {
-            "sequences": stats.sequences,
-            "real_tokens": stats.real_tokens,
-            "padded_tokens": stats.padded_tokens,
-            "flops": stats.flops,
-            "padded_flops": stats.padded_flops,
-        }
+        return _step_figures(stats)
 
     result = _timed(args, info.device, step, losses)
     return {**result, **_mfu_with(trainer.peak, result)}
@@ -384,13 +384,7 @@ def _run_hf(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, A
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer")
         losses.append(out.loss.detach())
-        return {
-            "sequences": stats.sequences,
-            "real_tokens": stats.real_tokens,
-            "padded_tokens": stats.padded_tokens,
-            "flops": stats.flops,
-            "padded_flops": stats.padded_flops,
-        }
+        return _step_figures(stats)
 
     result = _timed(args, device, step, losses)
     peak = None
