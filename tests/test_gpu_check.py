@@ -88,14 +88,26 @@ def test_makefile_targets() -> None:
     assert re.search(r"^gpu-check:[ \t]*$", text, re.MULTILINE), "gpu-check must not depend"
     assert re.search(r"^gpu-wheels:", text, re.MULTILINE)
     assert re.search(r"^/\.gpu-wheels/$", (ROOT / ".gitignore").read_text(), re.MULTILINE)
+    # run as `make test` runs it: a parent make's MAKEFLAGS/MAKELEVEL add directory lines
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     proc = subprocess.run(
-        ["make", "-n", "gpu-check", "OUT_DIR=/x/out"], capture_output=True, text=True, cwd=ROOT
+        ["make", "--no-print-directory", "-n", "gpu-check", "OUT_DIR=/x/out"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     (line,) = [line for line in proc.stdout.splitlines() if line.strip()]
     assert "env -u DS_ACCELERATOR" in line and "infra/gpu/check.sh" in line
     assert 'OUT_DIR="/x/out"' in line
-    proc = subprocess.run(["make", "-n", "gpu-wheels"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-n", "gpu-wheels"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     assert proc.returncode == 0 and "infra/gpu/wheels.sh" in proc.stdout
 
 
