@@ -13,10 +13,10 @@ import sys
 
 # name -> (module with add_arguments(parser) and run_bench(args) -> dict, help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "preprocess": ("preprocessing.bench", "Beam job vs the tokenizer alone, one core"),
-    "model": ("training.bench_model", "forward+backward of our BERT vs transformers', CPU"),
-    "loader": ("training.bench_loader", "pre-training loader: decoded, collated instances/s"),
-    "train": ("training.bench_train", "optimizer steps of the real trainer path: seq/s, MFU"),
+    "preprocess": ("bertpipe.preprocessing.bench", "Beam job vs the tokenizer alone, one core"),
+    "model": ("bertpipe.training.bench_model", "forward+backward, ours vs transformers', CPU"),
+    "loader": ("bertpipe.training.bench_loader", "pre-training loader: collated instances/s"),
+    "train": ("bertpipe.training.bench_train", "real trainer path steps: seq/s, MFU"),
 }
 
 

@@ -27,22 +27,27 @@ T = TypeVar("T")
 # command -> "module:function" that adds its parser (imported when the parser is built;
 # these modules import nothing heavy at module level)
 COMMANDS: dict[str, str] = {
-    "tokenizer": "preprocessing.cli:add_tokenizer_command",
-    "preprocess": "preprocessing.cli:add_preprocess_command",
-    "pretrain": "training.cli:add_pretrain_command",
-    "export": "training.cli:add_export_command",
-    "finetune": "finetuning.cli:add_finetune_command",
-    "sweep": "finetuning.cli:add_sweep_command",
+    "tokenizer": "bertpipe.preprocessing.cli:add_tokenizer_command",
+    "preprocess": "bertpipe.preprocessing.cli:add_preprocess_command",
+    "pretrain": "bertpipe.training.cli:add_pretrain_command",
+    "export": "bertpipe.training.cli:add_export_command",
+    "finetune": "bertpipe.finetuning.cli:add_finetune_command",
+    "sweep": "bertpipe.finetuning.cli:add_sweep_command",
     "bench": "bertpipe.bench:add_bench_command",
     "demo": "bertpipe.demo:add_demo_command",
-    "plan": "training.cli_plan:add_plan_command",
+    "plan": "bertpipe.training.cli_plan:add_plan_command",
     "runs": "bertpipe.cli_runs:add_runs_command",
+    "configs": "bertpipe.recipes:add_configs_command",
 }
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments every stage command shares."""
-    parser.add_argument("-c", "--config", help="YAML config file (defaults apply without one)")
+    parser.add_argument(
+        "-c",
+        "--config",
+        help="YAML config file, or the name of a shipped recipe (`bertpipe configs list`)",
+    )
     parser.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. dupe_factor=10"
     )

@@ -72,7 +72,9 @@ def load_config(
     """
     data: dict[str, Any] = _deep_copy(dict(defaults or {}))
     if path is not None:
-        data = _merge(data, _read_yaml(path))
+        from bertpipe.recipes import resolve
+
+        data = _merge(data, _read_yaml(resolve(path)))
     data = apply_overrides(data, overrides, lambda: _defaults_of(cls))
     return from_dict(cls, data)
 

@@ -70,7 +70,7 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
 
 
 def _corpus(out: Path, documents: int | None) -> list[str]:
-    from preprocessing.sample_corpus import write_corpus
+    from bertpipe.preprocessing.sample_corpus import write_corpus
 
     folder = out / "corpus"
     if folder.exists():
@@ -81,8 +81,8 @@ def _corpus(out: Path, documents: int | None) -> list[str]:
 def _tokenizer(out: Path, common: list[str]) -> object:
     from bertpipe.cli import write_resolved_config
     from bertpipe.config import load_config
-    from preprocessing.config import TokenizerConfig
-    from preprocessing.run import train_tokenizer
+    from bertpipe.preprocessing.config import TokenizerConfig
+    from bertpipe.preprocessing.run import train_tokenizer
 
     cfg = load_config(
         TokenizerConfig,
@@ -105,8 +105,8 @@ def _tokenizer(out: Path, common: list[str]) -> object:
 def _preprocess(out: Path, common: list[str]) -> object:
     from bertpipe.cli import write_resolved_config
     from bertpipe.config import load_config
-    from preprocessing.config import PreprocessConfig
-    from preprocessing.run import run_preprocess
+    from bertpipe.preprocessing.config import PreprocessConfig
+    from bertpipe.preprocessing.run import run_preprocess
 
     cfg = load_config(
         PreprocessConfig,
@@ -137,15 +137,12 @@ def _preprocess(out: Path, common: list[str]) -> object:
 def _pretrain(out: Path, common: list[str]) -> object:
     """Both phases of a tiny BERT on CPU, from configs/pretrain-demo.yaml."""
     from bertpipe.config import load_config
-    from training.config import PretrainConfig
-    from training.trainer import run_pretraining
+    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.trainer import run_pretraining
 
-    recipe = Path(__file__).resolve().parents[1] / "configs" / "pretrain-demo.yaml"
-    if not recipe.exists():
-        raise FileNotFoundError(f"{recipe} is missing: run the demo from a bertpipe checkout")
     cfg = load_config(
         PretrainConfig,
-        str(recipe),
+        "pretrain-demo",  # the shipped recipe, from a checkout or an installed wheel
         [
             f"output={out / 'pretrain'}",
             f"phases[0].data={out / 'shards' / 'seq128'}",
@@ -163,13 +160,13 @@ def _pretrain(out: Path, common: list[str]) -> object:
 
 
 def _export(out: Path) -> object:
-    from training.export import export_checkpoint
+    from bertpipe.training.export import export_checkpoint
 
     return export_checkpoint(str(out / "pretrain" / "checkpoints"), str(out / "bert-tiny-hf"))
 
 
 def _task(out: Path) -> tuple[str, str]:
-    from finetuning.sample_task import write_python_docs_task
+    from bertpipe.finetuning.sample_task import write_python_docs_task
 
     return write_python_docs_task(str(out / "task"))
 
@@ -178,8 +175,8 @@ def _finetune(out: Path, common: list[str], *, random_init: bool) -> object:
     """The Python-docs paragraph classification task, from the export or from random weights
     (the same architecture): the comparison shows what pre-training is worth here."""
     from bertpipe.config import load_config
-    from finetuning.config import FinetuneConfig
-    from finetuning.loop import run_finetuning
+    from bertpipe.finetuning.config import FinetuneConfig
+    from bertpipe.finetuning.loop import run_finetuning
 
     name = "random" if random_init else "pretrained"
     cfg = load_config(

@@ -20,8 +20,8 @@ def add_finetune_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from finetuning.config import FinetuneConfig
-    from finetuning.loop import run_finetuning
+    from bertpipe.finetuning.config import FinetuneConfig
+    from bertpipe.finetuning.loop import run_finetuning
 
     cfg = config_from_args(FinetuneConfig, args)
     if cfg is None:
@@ -47,8 +47,8 @@ def add_sweep_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _sweep(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from finetuning.config import FinetuneConfig
-    from finetuning.sweep import run_sweep
+    from bertpipe.finetuning.config import FinetuneConfig
+    from bertpipe.finetuning.sweep import run_sweep
 
     cfg = config_from_args(FinetuneConfig, args)
     if cfg is None:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from bertpipe.config import ConfigError
 from bertpipe.tracking import TrackingConfig
-from training.config import ZeroConfig
+from bertpipe.training.config import ZeroConfig
 
 __all__ = ["FinetuneConfig", "SweepSpec", "TaskConfig"]
 

@@ -2,7 +2,7 @@
 
 One :class:`TaskData` per run holds the task's spec, the training features and one
 :class:`EvalSet` per evaluation file. The family-specific parts (readers, featurizers, span
-decoding, entity scoring, prediction files) live in :mod:`finetuning.tasks`; this module
+decoding, entity scoring, prediction files) live in :mod:`bertpipe.finetuning.tasks`; this module
 only dispatches on the family and turns features into model inputs.
 """
 
@@ -19,10 +19,16 @@ import torch
 from tokenizers import Tokenizer
 
 from bertpipe.config import ConfigError
-from finetuning.config import TaskConfig
-from finetuning.metrics import compute_task_metrics
-from finetuning.tasks import conll, glue, squad
-from finetuning.tasks.base import Features, ReadReport, TaskSpec, check_max_seq_length, take
+from bertpipe.finetuning.config import TaskConfig
+from bertpipe.finetuning.metrics import compute_task_metrics
+from bertpipe.finetuning.tasks import conll, glue, squad
+from bertpipe.finetuning.tasks.base import (
+    Features,
+    ReadReport,
+    TaskSpec,
+    check_max_seq_length,
+    take,
+)
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from training.hf import load_into
-from training.model import BertModel, BertModelConfig, Dropout, init_weights
+from bertpipe.training.hf import load_into
+from bertpipe.training.model import BertModel, BertModelConfig, Dropout, init_weights
 
 __all__ = [
     "BertForQuestionAnswering",

@@ -1,6 +1,6 @@
 """The fine-tuning loop: one task head on a pre-trained BERT, with DeepSpeed, logged to MLflow.
 
-The engine set-up is pre-training's (:mod:`training.engine`: the same distributed init and
+The engine set-up is pre-training's (:mod:`bertpipe.training.engine`: the same distributed init and
 generated DeepSpeed config); the optimizer is AdamW with linear warmup and decay. Each epoch
 ends with an evaluation of every dev file; the best epoch by the task's main metric is kept
 as an HF folder (``<output>/best``) and its metrics are the run's final ones. Predictions are
@@ -27,20 +27,27 @@ import torch.distributed as dist
 
 from bertpipe import fsio, tracking
 from bertpipe.config import ConfigError, to_yaml
-from bertpipe.seeding import rng_for
-from finetuning.config import FinetuneConfig
-from finetuning.data import TaskData, batches, load_task, model_inputs, score, write_predictions
-from finetuning.heads import (
+from bertpipe.finetuning.config import FinetuneConfig
+from bertpipe.finetuning.data import (
+    TaskData,
+    batches,
+    load_task,
+    model_inputs,
+    score,
+    write_predictions,
+)
+from bertpipe.finetuning.heads import (
     BertForQuestionAnswering,
     BertForSequenceClassification,
     BertForTokenClassification,
     BertTaskModel,
 )
-from training.config import OptimizerConfig
-from training.engine import DistInfo, deepspeed_config, init_distributed
-from training.export import TOKENIZER_FILES
-from training.model import BertModelConfig
-from training.optim import build_optimizer, warmup_decay
+from bertpipe.seeding import rng_for
+from bertpipe.training.config import OptimizerConfig
+from bertpipe.training.engine import DistInfo, deepspeed_config, init_distributed
+from bertpipe.training.export import TOKENIZER_FILES
+from bertpipe.training.model import BertModelConfig
+from bertpipe.training.optim import build_optimizer, warmup_decay
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +85,7 @@ def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
     """Read ``init_from``: an HF BERT folder (an export) or a pre-training checkpoint folder."""
     source = Path(str(cfg.init_from))
     if (source / "config.json").exists():
-        from training.hf import load_hf_folder
+        from bertpipe.training.hf import load_hf_folder
 
         model_cfg, weights = load_hf_folder(source)
         lineage = {}
@@ -98,7 +105,7 @@ def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
             labels,
         )
     if (source / "latest").exists():
-        from training.export import load_checkpoint_model, tokenizer_folder
+        from bertpipe.training.export import load_checkpoint_model, tokenizer_folder
 
         model, state = load_checkpoint_model(str(source))
         return Initialisation(
@@ -136,7 +143,7 @@ class Finetuner:
     """One fine-tuning run on this rank."""
 
     def __init__(self, cfg: FinetuneConfig, info: DistInfo) -> None:
-        from preprocessing.tokenizer import load_tokenizer
+        from bertpipe.preprocessing.tokenizer import load_tokenizer
 
         cfg.check_runnable()
         self.cfg = cfg
@@ -163,7 +170,7 @@ class Finetuner:
         torch.manual_seed(self.cfg.seed)  # the head's initialisation, identical on every rank
         model = _build_head(self.data, self.model_cfg, self.cfg)
         if not self.cfg.random_init:
-            from training.hf import load_into
+            from bertpipe.training.hf import load_into
 
             load_into(model, self.init.weights, strict_heads=False)
         torch.manual_seed(self.cfg.seed + 1000 * self.info.rank)  # dropout
@@ -342,7 +349,7 @@ class Finetuner:
     def _save_best(self, engine: Any) -> None:
         if not self.info.is_main:
             return
-        from training.hf import save_hf_folder
+        from bertpipe.training.hf import save_hf_folder
 
         best = self.output / "best"
         if best.exists():

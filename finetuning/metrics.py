@@ -2,7 +2,7 @@
 MSE, and :func:`compute_task_metrics`, which picks a task's metric set from its spec.
 
 Classification and regression scores are fractions (accuracy 0.84, not 84); SQuAD scores
-are percentages, as the official script reports them (see :mod:`finetuning.tasks.squad`).
+are percentages, as the official script reports them (see :mod:`bertpipe.finetuning.tasks.squad`).
 A correlation that is undefined (one side constant) is reported as 0.0, as scikit-learn does
 for the Matthews correlation, so that model selection never sees NaN.
 """
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from finetuning.tasks.base import TaskSpec
-from finetuning.tasks.conll import entity_scores
-from finetuning.tasks.squad import squad_metrics
+from bertpipe.finetuning.tasks.base import TaskSpec
+from bertpipe.finetuning.tasks.conll import entity_scores
+from bertpipe.finetuning.tasks.squad import squad_metrics
 
 __all__ = [
     "accuracy",

@@ -28,7 +28,7 @@ _SPACES = re.compile(r"\s+")
 
 def write_python_docs_task(out_dir: str, dev_fraction: float = 0.2) -> tuple[str, str]:
     """Write ``train.tsv`` and ``dev.tsv`` under ``out_dir``; returns their URLs."""
-    from preprocessing.sample_corpus import iter_python_docs
+    from bertpipe.preprocessing.sample_corpus import iter_python_docs
 
     rows: dict[str, list[tuple[str, str]]] = {"train": [], "dev": []}
     for doc_id, text in iter_python_docs(min_chars=100):

@@ -1,7 +1,7 @@
 """``bertpipe sweep``: a grid of fine-tuning runs, nested under one MLflow parent run.
 
 The default grid is the BERT paper's (learning rate 5e-5, 4e-5, 3e-5, 2e-5; batch 16, 32;
-epochs 2, 3, 4). Every trial is a full :func:`~finetuning.loop.run_finetuning` with its own
+epochs 2, 3, 4). Every trial is a full :func:`~bertpipe.finetuning.loop.run_finetuning` with its own
 output folder and a child run; the parent records the grid, every trial's main metric and,
 at the end, the best trial (``best_run_id`` tag, ``best/*`` metrics).
 """
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from bertpipe import fsio, tracking
-from finetuning.config import FinetuneConfig
-from finetuning.loop import FinetuneResult, load_initialisation, run_finetuning
+from bertpipe.finetuning.config import FinetuneConfig
+from bertpipe.finetuning.loop import FinetuneResult, load_initialisation, run_finetuning
 
 log = logging.getLogger(__name__)
 

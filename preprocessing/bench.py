@@ -1,6 +1,6 @@
 """``bertpipe bench preprocess``: the Beam job against the tokenizer alone, on one core.
 
-The corpus is the Python documentation (:mod:`preprocessing.sample_corpus`) in the
+The corpus is the Python documentation (:mod:`bertpipe.preprocessing.sample_corpus`) in the
 sentence-per-line format, ``replicas`` copies (about 1.3 MB each). Each measurement runs
 in a fresh child process pinned to one CPU with ``RAYON_NUM_THREADS=1``, so the tokenizer's
 thread pool cannot use more than that core and peak RSS is the child's own:
@@ -46,7 +46,7 @@ def _child(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> dict[
     cmd = [
         sys.executable,
         "-m",
-        "preprocessing.bench",
+        "bertpipe.preprocessing.bench",
         "--child",
         mode,
         corpus,
@@ -89,8 +89,8 @@ def _child_main(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> 
         result["lines"] = len(lines)
     else:
         from bertpipe.config import load_config
-        from preprocessing.config import PreprocessConfig
-        from preprocessing.run import run_preprocess
+        from bertpipe.preprocessing.config import PreprocessConfig
+        from bertpipe.preprocessing.run import run_preprocess
 
         def overrides_for(inputs: str, output: str) -> list[str]:
             return [
@@ -129,9 +129,9 @@ def _child_main(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from bertpipe.config import load_config
-    from preprocessing.config import TokenizerConfig
-    from preprocessing.run import train_tokenizer
-    from preprocessing.sample_corpus import write_corpus
+    from bertpipe.preprocessing.config import TokenizerConfig
+    from bertpipe.preprocessing.run import train_tokenizer
+    from bertpipe.preprocessing.sample_corpus import write_corpus
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)

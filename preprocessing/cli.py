@@ -23,8 +23,8 @@ def add_tokenizer_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _tokenizer_train(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from preprocessing.config import TokenizerConfig
-    from preprocessing.run import train_tokenizer
+    from bertpipe.preprocessing.config import TokenizerConfig
+    from bertpipe.preprocessing.run import train_tokenizer
 
     cfg = config_from_args(TokenizerConfig, args, ["overwrite=true"] if args.overwrite else [])
     if cfg is None:
@@ -51,8 +51,8 @@ def add_preprocess_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _preprocess(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from preprocessing.config import PreprocessConfig
-    from preprocessing.run import run_preprocess
+    from bertpipe.preprocessing.config import PreprocessConfig
+    from bertpipe.preprocessing.run import run_preprocess
 
     cfg = config_from_args(PreprocessConfig, args, ["overwrite=true"] if args.overwrite else [])
     if cfg is None:

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from bertpipe.config import ConfigError
+from bertpipe.preprocessing.readers import InputConfig
 from bertpipe.tracking import TrackingConfig
-from preprocessing.readers import InputConfig
 
 __all__ = ["MaskingConfig", "PhaseConfig", "PreprocessConfig", "TokenizerConfig"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preprocessing.shard_format import InstanceBlock, gather_segments, segment_index
+from bertpipe.preprocessing.shard_format import InstanceBlock, gather_segments, segment_index
 
 __all__ = ["DocumentSet", "PairSpec", "TokenizedDoc", "assemble", "create_pairs"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from preprocessing.shard_format import LENGTH, NUM_MASKED, InstanceBlock
+from bertpipe.preprocessing.shard_format import LENGTH, NUM_MASKED, InstanceBlock
 
 __all__ = ["MaskingSpec", "mask_block"]
 

@@ -36,13 +36,11 @@ from apache_beam.metrics import Metrics
 
 from bertpipe import fsio
 from bertpipe.config import to_dict
-from bertpipe.progress import ProgressLine
-from bertpipe.seeding import rng_for, stable_hash, stable_unit
-from preprocessing.config import PhaseConfig, PreprocessConfig
-from preprocessing.instances import DocumentSet, TokenizedDoc, assemble, create_pairs
-from preprocessing.masking import MaskingSpec, mask_block
-from preprocessing.readers import InputConfig, read_documents
-from preprocessing.shard_format import (
+from bertpipe.preprocessing.config import PhaseConfig, PreprocessConfig
+from bertpipe.preprocessing.instances import DocumentSet, TokenizedDoc, assemble, create_pairs
+from bertpipe.preprocessing.masking import MaskingSpec, mask_block
+from bertpipe.preprocessing.readers import InputConfig, read_documents
+from bertpipe.preprocessing.shard_format import (
     FORMAT_NAME,
     NUM_MASKED,
     RANDOM_NEXT,
@@ -52,6 +50,8 @@ from preprocessing.shard_format import (
     token_dtype,
     write_tar,
 )
+from bertpipe.progress import ProgressLine
+from bertpipe.seeding import rng_for, stable_hash, stable_unit
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class TokenizeFn(beam.DoFn):
         self._plan = plan
 
     def setup(self) -> None:
-        from preprocessing.tokenizer import (
+        from bertpipe.preprocessing.tokenizer import (
             CorpusEncoder,
             TokenizerMismatchError,
             load_tokenizer,

@@ -27,7 +27,7 @@ from typing import IO, Literal
 
 from bertpipe import fsio
 from bertpipe.config import ConfigError
-from preprocessing.sentences import split_sentences
+from bertpipe.preprocessing.sentences import split_sentences
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,10 @@ from typing import Any
 from bertpipe import fsio, tracking
 from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
-from bertpipe.seeding import stable_unit
-from preprocessing.config import PreprocessConfig, TokenizerConfig
-from preprocessing.pipeline import Plan, build_pipeline, manifest_url, parts_folder
-from preprocessing.readers import COMPRESSION, common_root, read_documents
-from preprocessing.tokenizer import (
+from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
+from bertpipe.preprocessing.pipeline import Plan, build_pipeline, manifest_url, parts_folder
+from bertpipe.preprocessing.readers import COMPRESSION, common_root, read_documents
+from bertpipe.preprocessing.tokenizer import (
     SpecialTokens,
     TokenizerMismatchError,
     build_from_vocab,
@@ -33,6 +32,7 @@ from preprocessing.tokenizer import (
     tokenizer_checksum,
     train_wordpiece,
 )
+from bertpipe.seeding import stable_unit
 
 log = logging.getLogger(__name__)
 

@@ -87,10 +87,10 @@ def write_corpus(
 
     ``fmt="jsonl"`` writes ``{"id", "text"}`` records (unsplit paragraphs);
     ``fmt="sentences"`` writes one sentence per line with a blank line between documents,
-    split by :mod:`preprocessing.sentences`. ``replicas`` > 1 repeats the corpus under new
+    split by :mod:`bertpipe.preprocessing.sentences`. ``replicas`` > 1 repeats the corpus under new
     document ids (for scaling benchmarks).
     """
-    from preprocessing.sentences import split_sentences
+    from bertpipe.preprocessing.sentences import split_sentences
 
     docs = list(iter_python_docs())
     if max_documents is not None:

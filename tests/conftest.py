@@ -74,7 +74,7 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
     """A WordPiece tokenizer trained on ``corpus_dir`` (vocabulary of 400)."""
-    from preprocessing.tokenizer import save_tokenizer, train_wordpiece
+    from bertpipe.preprocessing.tokenizer import save_tokenizer, train_wordpiece
 
     folder = tmp_path_factory.mktemp("tokenizer")
     texts = [

@@ -113,7 +113,7 @@ def test_makefile_targets() -> None:
 
 def test_run_list_order_and_commands_are_accepted(tmp_path: Path) -> None:
     from bertpipe.config import load_config
-    from training.config import PretrainConfig
+    from bertpipe.training.config import PretrainConfig
 
     runs = _dry_run(tmp_path)
     bench = [name for name in runs if name in BENCH_RUNS]
@@ -135,7 +135,7 @@ def test_run_list_order_and_commands_are_accepted(tmp_path: Path) -> None:
         if (ROOT / "training" / "bench_train.py").exists():
             import argparse
 
-            from training.bench_train import add_arguments
+            from bertpipe.training.bench_train import add_arguments
 
             parser = argparse.ArgumentParser()
             add_arguments(parser)
@@ -192,7 +192,9 @@ def test_helper_records_and_summarises(tmp_path: Path) -> None:
     out.write_text("no json here\n")
     err.write_text("")
     assert record("p1-pad", 124, 90).returncode == 1
-    line = "12:00:00 INFO training.trainer: phase1 step {s}/200 (global {s}): loss {l} mlm 1 "
+    line = (
+        "12:00:00 INFO bertpipe.training.trainer: phase1 step {s}/200 (global {s}): loss {l} mlm 1 "
+    )
     line += "nsp 0.6 mlm_acc 0.1 nsp_acc 0.5 lr 1.0e-03 {r} seq/s"
     points = ((20, 9.5, 100.0), (200, 6.25, 2500.5))
     err.write_text("\n".join(line.format(s=s, l=loss, r=r) for s, loss, r in points))
@@ -237,12 +239,12 @@ def test_training_and_the_benchmark_import_without_mlflow_or_beam() -> None:
         "import sys\n"
         "for name in ('mlflow', 'apache_beam'):\n"
         "    sys.modules[name] = None  # any import of them raises ImportError\n"
-        "import training.trainer, training.data, training.engine\n"
+        "import bertpipe.training.trainer, bertpipe.training.data, bertpipe.training.engine\n"
         "import bertpipe.cli\n"
         "bertpipe.cli.build_parser()  # imports every command's module\n"
         "import os\n"
         "if os.path.exists('training/bench_train.py'):\n"
-        "    import training.bench_train\n"
+        "    import bertpipe.training.bench_train\n"
         "print('ok')\n"
     )
     proc = subprocess.run(

@@ -190,7 +190,7 @@ def test_pretrain_job_is_consistent_with_its_service_and_world() -> None:
 
 def test_k8s_config_runs_on_the_jobs_world_and_follows_the_shipped_recipe() -> None:
     from bertpipe.config import load_config, to_dict
-    from training.config import PretrainConfig
+    from bertpipe.training.config import PretrainConfig
 
     env = _container_env(_job()["spec"]["template"]["spec"]["containers"][0])
     world = int(env["NUM_NODES"]) * int(env["GPUS_PER_NODE"])
@@ -518,7 +518,7 @@ def test_worker_image_installs_what_the_pipeline_imports() -> None:
         "import sys, importlib.metadata as md\n"
         "import apache_beam, apache_beam.metrics, numpy, yaml\n"
         "before = {m.split('.')[0] for m in sys.modules}\n"
-        "import preprocessing.pipeline, preprocessing.run\n"
+        "import bertpipe.preprocessing.pipeline, bertpipe.preprocessing.run\n"
         "dists = md.packages_distributions()\n"
         "new = {m.split('.')[0] for m in sys.modules} - before\n"
         "print(' '.join(sorted({d for m in new for d in dists.get(m, [])})))\n"

@@ -12,7 +12,7 @@ neither matmul nor memory. Implementations, chosen by device and what is install
   from the host (:class:`Varlen`), so building the nested tensor reads nothing back from
   the device;
 * CPU: one dense attention per sequence (``torch.split``), with the faster CPU dropout of
-  :mod:`training.model` when training.
+  :mod:`bertpipe.training.model` when training.
 
 Shapes: T packed tokens, A heads, D head size, B sequences.
 """
@@ -69,10 +69,10 @@ class Varlen:
 
 
 def _dense_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """[A, L, D] x3 -> [A, L, D], no mask. Dropout through training.model.dropout on CPU
+    """[A, L, D] x3 -> [A, L, D], no mask. Dropout through bertpipe.training.model.dropout on CPU
     (SDPA's CPU kernels cannot drop attention weights)."""
     if dropout_p > 0 and q.device.type == "cpu":
-        from training.model import dropout
+        from bertpipe.training.model import dropout
 
         scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
         return torch.matmul(dropout(scores.softmax(-1), dropout_p, True), v)

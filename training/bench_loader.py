@@ -1,11 +1,13 @@
 """``bertpipe bench loader``: decoded, collated pre-training instances per second, one process.
 
 Synthetic seq-128 shards are written to a temporary folder with
-:mod:`preprocessing.shard_format`: random uint16 token ids (vocabulary 30,522), 90% of the
+:mod:`~bertpipe.preprocessing.shard_format`: random uint16 token ids (vocabulary 30,522),
+90% of the
 instances 128 tokens long and 10% uniformly shorter (16-127), segment B starting somewhere
-in the middle, static masks chosen by :func:`preprocessing.masking.mask_block` (15%, at most
+in the middle, static masks chosen by
+:func:`~bertpipe.preprocessing.masking.mask_block` (15%, at most
 20 per instance, ~19 at length 128), 256 instances per sample, by default 8 shards of 20,000
-instances. The loader (:class:`training.data.PretrainingData`, ``num_workers`` 0: reading,
+instances. The loader (:class:`bertpipe.training.data.PretrainingData`, ``num_workers`` 0: reading,
 decoding, shuffling and collation all in the calling process) then produces padded
 micro-batches of 32 after a short warm-up; ``instances_per_s`` is wall-clock,
 ``instances_per_cpu_s`` uses the process's CPU time (steadier on a shared machine). With
@@ -68,8 +70,8 @@ def _synthetic_block(
     ``lengths_fn(rng, n, seq_len)`` draws their lengths."""
     import numpy as np
 
-    from preprocessing.masking import mask_block
-    from preprocessing.shard_format import InstanceBlock
+    from bertpipe.preprocessing.masking import mask_block
+    from bertpipe.preprocessing.shard_format import InstanceBlock
 
     lengths = lengths_fn(rng, n, seq_len)
     a_end = (lengths * rng.uniform(0.2, 0.8, n)).astype(np.int64).clip(2, lengths - 2)
@@ -100,9 +102,9 @@ def write_shards(
     import numpy as np
 
     from bertpipe import fsio
+    from bertpipe.preprocessing.masking import MaskingSpec
+    from bertpipe.preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION, write_tar
     from bertpipe.seeding import rng_for
-    from preprocessing.masking import MaskingSpec
-    from preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION, write_tar
 
     spec = MaskingSpec(0.15, max_predictions, SPECIALS["mask"], VOCAB_SIZE, (0, 100, 101, 102, 103))
     counts = np.full(shards, instances // shards)
@@ -151,7 +153,7 @@ def write_shards(
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import itertools
 
-    from training.data import PretrainingData
+    from bertpipe.training.data import PretrainingData
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = str(Path(args.workdir or tmp) / "seq128")

@@ -1,12 +1,12 @@
 """Time one forward+backward of our BertForPreTraining against transformers' on the same batch.
 
 Both models get the same configuration, the same weights (copied with
-:func:`training.hf.export_state_dict`) and the same inputs: 15% of the real tokens masked.
+:func:`bertpipe.training.hf.export_state_dict`) and the same inputs: 15% of the real tokens masked.
 transformers gets the usual ``labels`` tensor (-100 except at masked positions) and builds
 the full ``[B, S, V]`` logits; ours gets the flat masked positions and predicts only there.
 Both run in train mode with dropout on. Usage::
 
-    PYTHONPATH=. python -m training.bench_model --preset base --batch-size 8 --seq-len 128
+    PYTHONPATH=. python -m bertpipe.training.bench_model --preset base --batch-size 8 --seq-len 128
 
 The last line of stdout is one JSON object: median wall seconds per step (``ours_s``,
 ``hf_s``, ``ratio``), the same in process CPU seconds (``*_cpu_s``, ``cpu_ratio``; steadier
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from training.hf import TIED_KEYS, export_state_dict, hf_config_dict
-from training.model import BertForPreTraining, BertModelConfig
+from bertpipe.training.hf import TIED_KEYS, export_state_dict, hf_config_dict
+from bertpipe.training.model import BertForPreTraining, BertModelConfig
 
 log = logging.getLogger(__name__)
 

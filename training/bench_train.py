@@ -1,9 +1,11 @@
 """``bertpipe bench train``: optimizer steps of the real pre-training path on one device.
 
-The same pieces as ``bertpipe pretrain``: the model of :mod:`training.model` (padded or
-unpadded, eager or compiled), the DeepSpeed engine of :func:`training.engine.build_engine`
+The same pieces as ``bertpipe pretrain``: the model of :mod:`bertpipe.training.model` (padded or
+unpadded, eager or compiled), the DeepSpeed engine of
+:func:`bertpipe.training.engine.build_engine`
 (ZeRO stage, precision, optimizer, clipping from the typed config), the WebDataset loader
-of :mod:`training.data` and :class:`training.step.BatchPrep`, for a preset at one phase's
+of :mod:`bertpipe.training.data` and :class:`bertpipe.training.step.BatchPrep`, for a preset
+at one phase's
 shape. The shards are ``--data`` (a phase folder with ``manifest.json``) or synthetic ones
 written to a temporary folder, whose lengths follow Google's instance recipe on documents of
 about 900 tokens (Wikipedia's mean): 10% short targets (uniform), and a target-length
@@ -85,7 +87,7 @@ def synthetic_lengths(rng: Any, n: int, seq_len: int) -> Any:
 
 
 def _synthetic_data(folder: str, args: argparse.Namespace, batches: int) -> str:
-    from training.bench_loader import write_shards
+    from bertpipe.training.bench_loader import write_shards
 
     instances = args.instances or max(2048, 2 * batches * args.micro_batch)
     max_predictions = max(1, round(0.15 * args.seq_len))
@@ -105,7 +107,7 @@ def _synthetic_data(folder: str, args: argparse.Namespace, batches: int) -> str:
 
 def _config(args: argparse.Namespace, data: str, total_steps: int, precision: str) -> Any:
     from bertpipe.config import load_config
-    from training.config import PretrainConfig
+    from bertpipe.training.config import PretrainConfig
 
     overrides = [
         f"model.preset={args.preset}",
@@ -150,7 +152,7 @@ class _Timer:
 
 
 def _step_figures(stats: Any) -> dict[str, float]:
-    """A step's :class:`~training.step.BatchStats` as the figures :func:`_figures` sums."""
+    """A step's :class:`~bertpipe.training.step.BatchStats` as the figures :func:`_figures` sums."""
     keys = ("sequences", "real_tokens", "padded_tokens", "flops", "padded_flops")
     return {k: float(getattr(stats, k)) for k in keys}
 
@@ -209,7 +211,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _loader(cfg: Any, rank: int = 0, world: int = 1) -> Iterator[Any]:
-    from training.data import PretrainingData
+    from bertpipe.training.data import PretrainingData
 
     phase = cfg.phases[0]
     data = PretrainingData(
@@ -258,9 +260,9 @@ def _figures(
 def _run_ours(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, Any]:
     import torch
 
-    from training.engine import build_engine, init_distributed
-    from training.step import BatchPrep
-    from training.trainer import Trainer
+    from bertpipe.training.engine import build_engine, init_distributed
+    from bertpipe.training.step import BatchPrep
+    from bertpipe.training.trainer import Trainer
 
     info = init_distributed()
     trainer = Trainer(cfg, info)
@@ -288,7 +290,7 @@ def _run_ours(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str,
 
 
 def _mfu_with(peak: float | None, result: dict[str, Any]) -> dict[str, Any]:
-    from training.flops import mfu
+    from bertpipe.training.flops import mfu
 
     return {
         "mfu_real": mfu(result["tflops"] * 1e12, peak),
@@ -344,10 +346,10 @@ def _run_hf(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, A
     import torch
     from transformers import BertConfig, BertForPreTraining
 
-    from training.flops import peak_flops
-    from training.hf import hf_config_dict
-    from training.step import BatchPrep
-    from training.trainer import model_config, read_phase_data
+    from bertpipe.training.flops import peak_flops
+    from bertpipe.training.hf import hf_config_dict
+    from bertpipe.training.step import BatchPrep
+    from bertpipe.training.trainer import model_config, read_phase_data
 
     device = torch.device(device_type)
     model_cfg = model_config(cfg, [read_phase_data(cfg.phases[0], "phases[0]")])

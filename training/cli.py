@@ -32,8 +32,8 @@ def add_pretrain_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from training.config import PretrainConfig
-    from training.trainer import PREEMPTED_EXIT_CODE, PreemptedError, run_pretraining
+    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.trainer import PREEMPTED_EXIT_CODE, PreemptedError, run_pretraining
 
     cfg = config_from_args(PretrainConfig, args)
     if cfg is None:
@@ -75,7 +75,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _export(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from training.export import export_checkpoint
+    from bertpipe.training.export import export_checkpoint
 
     info = export_checkpoint(args.checkpoint_dir, args.out, tag=args.tag, tokenizer=args.tokenizer)
     sys.stdout.write(json.dumps(info) + "\n")

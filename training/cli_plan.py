@@ -1,6 +1,6 @@
 """``bertpipe plan``: print what a pre-training config will do and need, starting nothing.
 
-The arithmetic lives in :mod:`training.plan`; this module parses the options and prints
+The arithmetic lives in :mod:`bertpipe.training.plan`; this module parses the options and prints
 the plan as a table (or, with ``--json``, as one JSON object on the last line).
 
 Example, NVIDIA's BERT-Large LAMB recipe on 4 nodes x 8 H100 (``paper.yaml``)::
@@ -177,8 +177,8 @@ def parse_seq_lens(values: list[str]) -> tuple[int, ...]:
 
 
 def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from training.config import PretrainConfig
-    from training.plan import PlanOptions, make_plan
+    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.plan import PlanOptions, make_plan
 
     cfg = config_from_args(PretrainConfig, args)
     if cfg is None:
@@ -210,7 +210,7 @@ def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
 
 def render_plan(plan: object) -> str:
     """The plan as a readable table, one column per phase."""
-    from training.plan import GIB, Plan, format_hmm
+    from bertpipe.training.plan import GIB, Plan, format_hmm
 
     assert isinstance(plan, Plan)
     m = plan.model
@@ -383,7 +383,7 @@ def _table(rows: list[tuple[str, list[str]]]) -> list[str]:
 
 
 def _link(t: object) -> str:
-    from training.plan import StepTime
+    from bertpipe.training.plan import StepTime
 
     assert isinstance(t, StepTime)
     if t.link == "none":

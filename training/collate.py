@@ -1,7 +1,7 @@
 """From decoded blocks to micro-batches: dynamic masking recipe, vectorised collation, transport.
 
 A micro-batch of B instances is a dict of int64 tensors (what
-``training.model.BertForPreTraining.forward`` takes as keyword arguments):
+``bertpipe.training.model.BertForPreTraining.forward`` takes as keyword arguments):
 
 - ``input_ids``      [B, S]  token ids, ``[PAD]`` (the manifest's pad id) after each instance
 - ``token_type_ids`` [B, S]  0 before ``a_end`` (segment A), 1 from it on, 0 on padding
@@ -33,8 +33,14 @@ import torch
 from torch import Tensor
 
 from bertpipe.errors import BertpipeError
-from preprocessing.masking import MaskingSpec
-from preprocessing.shard_format import A_END, LENGTH, NUM_MASKED, RANDOM_NEXT, InstanceBlock
+from bertpipe.preprocessing.masking import MaskingSpec
+from bertpipe.preprocessing.shard_format import (
+    A_END,
+    LENGTH,
+    NUM_MASKED,
+    RANDOM_NEXT,
+    InstanceBlock,
+)
 
 __all__ = [
     "BATCH_KEYS",
@@ -64,7 +70,7 @@ BATCH_KEYS = (
 class DynamicMasking:
     """The recipe for masking unmasked shards at load time (``masking: none`` manifests).
 
-    Masks are drawn per block and epoch by :func:`preprocessing.masking.mask_block` (the
+    Masks are drawn per block and epoch by :func:`bertpipe.preprocessing.masking.mask_block` (the
     recipe of the preprocessing stage), before the block's instances are mixed and cut.
     """
 

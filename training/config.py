@@ -2,8 +2,8 @@
 
 One file describes the whole run: the model, one or two phases (each with its data, batch,
 steps and learning-rate schedule), the optimizer, ZeRO and precision, checkpoints, evaluation
-and tracking. The DeepSpeed JSON is generated from it (:mod:`training.engine`), never kept by
-hand. Everything that can be checked without GPUs is checked here, before any process is
+and tracking. The DeepSpeed JSON is generated from it (:mod:`bertpipe.training.engine`), never
+kept by hand. Everything that can be checked without GPUs is checked here, before any process is
 launched: batch arithmetic against the world size, schedule lengths, optimizer/ZeRO
 combinations, sequence lengths against the model's positions.
 """

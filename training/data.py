@@ -50,11 +50,11 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from bertpipe import fsio
 from bertpipe.errors import BertpipeError
+from bertpipe.preprocessing.masking import MaskingSpec, mask_block
+from bertpipe.preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION, InstanceBlock
 from bertpipe.seeding import rng_for
-from preprocessing.masking import MaskingSpec, mask_block
-from preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION, InstanceBlock
-from training.collate import DynamicMasking, cut_batches, pack_batch, unpack_batch
-from training.config import DataConfig, EvalConfig, PhaseSpec
+from bertpipe.training.collate import DynamicMasking, cut_batches, pack_batch, unpack_batch
+from bertpipe.training.config import DataConfig, EvalConfig, PhaseSpec
 
 __all__ = [
     "DataError",
@@ -372,7 +372,7 @@ class PretrainingData:
     that would have come next. Evaluation (``train=False``): each ``iter(data)`` yields the
     same ``eval_batches`` batches (epoch 0, at most ``max_batches``), and the state is unused.
 
-    Batches are dicts of int64 tensors, see :mod:`training.collate`.
+    Batches are dicts of int64 tensors, see :mod:`bertpipe.training.collate`.
     """
 
     def __init__(

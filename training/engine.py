@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.config import PhaseSpec, PretrainConfig, ZeroConfig
-from training.optim import build_optimizer, lr_lambda
+from bertpipe.training.config import PhaseSpec, PretrainConfig, ZeroConfig
+from bertpipe.training.optim import build_optimizer, lr_lambda
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import torch
 
 from bertpipe import fsio
 from bertpipe.errors import BertpipeError
-from training import checkpoint as ckpt
-from training.model import BertForPreTraining, BertModelConfig
+from bertpipe.training import checkpoint as ckpt
+from bertpipe.training.model import BertForPreTraining, BertModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,8 @@ def export_checkpoint(
     folder: str, out: str, *, tag: str | None = None, tokenizer: str | None = None
 ) -> dict[str, Any]:
     """Write checkpoint ``tag`` of ``folder`` as an HF folder ``out`` with its tokenizer."""
-    from preprocessing.tokenizer import load_tokenizer, tokenizer_checksum
-    from training.hf import save_hf_folder
+    from bertpipe.preprocessing.tokenizer import load_tokenizer, tokenizer_checksum
+    from bertpipe.training.hf import save_hf_folder
 
     model, state = load_checkpoint_model(folder, tag)
     source = tokenizer_folder(state, tokenizer)

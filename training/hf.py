@@ -2,7 +2,7 @@
 
 A folder holds ``config.json`` (a ``BertConfig``) and ``model.safetensors`` (or, for older
 checkpoints, ``pytorch_model.bin``). Parameter names are the same on both sides (see
-:mod:`training.model`); what changes on the way is:
+:mod:`bertpipe.training.model`); what changes on the way is:
 
 * the vocabulary padding: stripped on export, re-added (zero rows) on import;
 * the tied decoder (``cls.predictions.decoder.{weight,bias}``): not written, as transformers
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from training.model import BertModelConfig
+from bertpipe.training.model import BertModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def load_into(
 ) -> LoadReport:
     """Copy ``state_dict`` (transformers or our names, padded vocab or not) into ``model``.
 
-    Works for :class:`~training.model.BertForPreTraining`, a bare ``BertModel`` and the
+    Works for :class:`~bertpipe.training.model.BertForPreTraining`, a bare ``BertModel`` and the
     fine-tuning heads. Missing embedding or encoder weights always raise; other missing keys
     (pooler, MLM/NSP heads, task heads) raise only with ``strict_heads``, else they keep
     their initialisation and are reported. Unexpected keys are reported and ignored.

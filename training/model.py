@@ -2,7 +2,7 @@
 
 Module and parameter names match ``transformers.BertForPreTraining`` one-to-one
 (``bert.encoder.layer.0.attention.self.query.weight``, ``cls.predictions.bias``, ...), so
-state dicts convert without renaming (see :mod:`training.hf`). Two things differ inside:
+state dicts convert without renaming (see :mod:`bertpipe.training.hf`). Two things differ inside:
 
 * the vocabulary is padded to a multiple of ``pad_vocab_multiple`` (embedding rows and
   decoder bias); logits are sliced back to the real ``vocab_size``;
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from bertpipe.config import ConfigError
-from training.attention import Varlen, varlen_attention
+from bertpipe.training.attention import Varlen, varlen_attention
 
 __all__ = [
     "PRESETS",
@@ -265,7 +265,7 @@ hidden states) or None (padded layout, every token real)."""
 
 class BertSelfAttention(nn.Module):
     """Multi-head self-attention: [B, S, H] -> [B, S, H] with SDPA, or packed [T, H] -> [T, H]
-    with :func:`training.attention.varlen_attention` (before the output Linear)."""
+    with :func:`bertpipe.training.attention.varlen_attention` (before the output Linear)."""
 
     def __init__(self, cfg: BertModelConfig) -> None:
         super().__init__()
@@ -434,7 +434,7 @@ class BertModel(nn.Module):
 
         Packed (unpadded) layout, with ``varlen``: ``input_ids``, ``token_type_ids`` and
         ``position_ids`` long [T], the real tokens of B sequences one after the other (see
-        :func:`training.collate.unpad_batch`); no attention mask. The encoder then computes
+        :func:`bertpipe.training.collate.unpad_batch`); no attention mask. The encoder then computes
         nothing for padding, and ``sequence_output`` is [T, H].
         """
         if token_type_ids is None:

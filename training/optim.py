@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from bertpipe.config import ConfigError
-from training.config import OptimizerConfig, PhaseSpec
+from bertpipe.training.config import OptimizerConfig, PhaseSpec
 
 __all__ = ["Lamb", "build_optimizer", "lr_lambda", "param_groups", "warmup_decay"]
 

@@ -4,7 +4,7 @@ Everything here is arithmetic on the typed config, the data manifests and a few 
 assumptions: no process group, no DeepSpeed engine, no GPU and no model is built (the
 parameter count is analytic, :meth:`BertModelConfig.num_parameters`). The functions are
 pure; :func:`make_plan` ties them together into a :class:`Plan` that the command line
-prints (:mod:`training.cli_plan`).
+prints (:mod:`bertpipe.training.cli_plan`).
 
 Symbols used in the formulas below: Ψ parameters, N world size (GPUs), L layers, h hidden
 size, I feed-forward width, a attention heads, V padded vocabulary, s sequence length,
@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 from bertpipe import fsio
 from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
-from training.config import PretrainConfig
-from training.flops import peak_flops, training_flops_per_sequence
-from training.model import BertModelConfig
+from bertpipe.training.config import PretrainConfig
+from bertpipe.training.flops import peak_flops, training_flops_per_sequence
+from bertpipe.training.model import BertModelConfig
 
 if TYPE_CHECKING:  # the loader module imports webdataset: only when a manifest is read
-    from training.data import Manifest
+    from bertpipe.training.data import Manifest
 
 __all__ = [
     "ALLREDUCE_BUCKET_ELEMENTS",
@@ -208,11 +208,11 @@ def _gpu_key(gpu: str) -> str:
 
 def read_manifest(data_url: str) -> Manifest | None:
     """The phase folder's manifest, read and checked by the loader's own
-    :func:`training.data.load_manifest` (so a broken folder fails here as it would in
+    :func:`bertpipe.training.data.load_manifest` (so a broken folder fails here as it would in
     ``pretrain``), or None when the folder has no ``manifest.json``."""
     if not fsio.exists(fsio.join(data_url, "manifest.json")):
         return None
-    from training.data import load_manifest
+    from bertpipe.training.data import load_manifest
 
     return load_manifest(data_url)
 
@@ -559,16 +559,16 @@ def data_plan(
     accumulation: int,
     samples: int,
 ) -> DataPlan:
-    """Shards and batches per rank as the loader (:mod:`training.data`) will cut them.
+    """Shards and batches per rank as the loader (:mod:`bertpipe.training.data`) will cut them.
 
     The loader splits the training split's blocks into N x W reader groups of about equal
-    instance counts (:func:`training.data.partition_blocks`, W = max(1, num_workers)) and
+    instance counts (:func:`bertpipe.training.data.partition_blocks`, W = max(1, num_workers)) and
     every reader yields ``floor(min over readers of instances / b)`` batches per epoch, so
     a rank gets W times that and no rank waits for another at the end of an epoch.
     """
     if manifest is None:
         return DataPlan(url=url, found=False)
-    from training.data import DataError, partition_blocks
+    from bertpipe.training.data import DataError, partition_blocks
 
     if "train" not in manifest.splits:
         raise DataError(f"{manifest.url} has no 'train' split")

@@ -1,8 +1,8 @@
 """From a loader's host batch to a device batch, with the figures a step is measured by.
 
 The trainer and ``bertpipe bench train`` share this: :class:`BatchPrep` turns a padded host
-batch (:mod:`training.collate`) into what the model takes, packed with
-:func:`training.collate.unpad_batch` when unpadding is on, pinned and copied without
+batch (:mod:`bertpipe.training.collate`) into what the model takes, packed with
+:func:`bertpipe.training.collate.unpad_batch` when unpadding is on, pinned and copied without
 blocking on a GPU, and counts on the host (no device read) what the step will compute:
 sequences, real and padded tokens, and model FLOPs on real tokens (the numerator of MFU)
 and on the padded shape (what a padded encoder computes).
@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from training.collate import unpad_batch
-from training.flops import training_flops
-from training.model import BertModelConfig
+from bertpipe.training.collate import unpad_batch
+from bertpipe.training.flops import training_flops
+from bertpipe.training.model import BertModelConfig
 
 __all__ = ["BatchPrep", "BatchStats", "to_device"]
 

@@ -32,12 +32,12 @@ from bertpipe import fsio, tracking
 from bertpipe.config import ConfigError, to_dict, to_yaml
 from bertpipe.errors import BertpipeError
 from bertpipe.progress import ProgressLine
-from training import checkpoint as ckpt
-from training.config import PhaseSpec, PretrainConfig
-from training.engine import DistInfo, build_engine, ds_config, init_distributed
-from training.flops import mfu, peak_flops
-from training.model import BertForPreTraining, BertModelConfig, compile_layers
-from training.step import BatchPrep, BatchStats
+from bertpipe.training import checkpoint as ckpt
+from bertpipe.training.config import PhaseSpec, PretrainConfig
+from bertpipe.training.engine import DistInfo, build_engine, ds_config, init_distributed
+from bertpipe.training.flops import mfu, peak_flops
+from bertpipe.training.model import BertForPreTraining, BertModelConfig, compile_layers
+from bertpipe.training.step import BatchPrep, BatchStats
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> BertModelConfig:
                 "share one tokenizer"
             )
     if cfg.model.init_from:
-        from training.hf import load_hf_folder
+        from bertpipe.training.hf import load_hf_folder
 
         model_cfg, _ = load_hf_folder(cfg.model.init_from)
         # the architecture is the checkpoint's; how it is trained is this config's
@@ -151,7 +151,8 @@ class _StopFlag:
 class _Window:
     """Sums over the optimizer steps since the last log line (this rank). Losses and counts
     stay on the device, so that no step waits for the device; what the batches held and cost
-    (:class:`~training.step.BatchStats`) and the time spent waiting for data are host sums."""
+    (:class:`~bertpipe.training.step.BatchStats`) and the time spent waiting for data are host
+    sums."""
 
     FIELDS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct")
     HOST_FIELDS = ("sequences", "tokens", "padded_tokens", "flops", "padded_flops", "data_wait")
@@ -254,7 +255,7 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)  # the same initial weights on every rank
         model = BertForPreTraining(self.model_cfg)
         if self.cfg.model.init_from:
-            from training.hf import load_hf_folder, load_into
+            from bertpipe.training.hf import load_hf_folder, load_into
 
             _, weights = load_hf_folder(self.cfg.model.init_from)
             load_into(model, weights, strict_heads=False)
@@ -345,7 +346,7 @@ class Trainer:
             yield
 
     def _run_phase(self, index: int, tag: str | None) -> dict[str, Any]:
-        from training.data import PretrainingData
+        from bertpipe.training.data import PretrainingData
 
         cfg, phase = self.cfg, self.cfg.phases[index]
         accumulation = self.accumulation[phase.name]
@@ -556,7 +557,7 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self, engine: Any, index: int) -> dict[str, float]:
         """Loss and accuracies on the phase's held-out split, averaged over all ranks."""
-        from training.data import DataError, PretrainingData
+        from bertpipe.training.data import DataError, PretrainingData
 
         phase = self.cfg.phases[index]
         split = self.cfg.data.heldout_split

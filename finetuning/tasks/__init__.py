@@ -6,7 +6,7 @@
 - :mod:`.conll`: CoNLL-2003 NER reader, first-sub-token features, entity-level scores
 """
 
-from finetuning.tasks.base import (
+from bertpipe.finetuning.tasks.base import (
     IGNORE_INDEX,
     Features,
     ReadProblem,
@@ -16,7 +16,7 @@ from finetuning.tasks.base import (
     check_max_seq_length,
     take,
 )
-from finetuning.tasks.conll import (
+from bertpipe.finetuning.tasks.conll import (
     Sentence,
     align_predictions,
     conll_spec,
@@ -25,7 +25,7 @@ from finetuning.tasks.conll import (
     read_conll,
     write_conll_predictions,
 )
-from finetuning.tasks.glue import (
+from bertpipe.finetuning.tasks.glue import (
     GLUE_TASKS,
     PairExample,
     TableColumns,
@@ -38,7 +38,7 @@ from finetuning.tasks.glue import (
     table_spec,
     write_glue_predictions,
 )
-from finetuning.tasks.squad import (
+from bertpipe.finetuning.tasks.squad import (
     SquadExample,
     check_squad_lengths,
     decode,

@@ -143,7 +143,7 @@ class TaskSpec:
     """What a task is: its kind, label list and how it is scored.
 
     ``labels`` are the class names in id order (classification, token_labels); empty for
-    regression and span_qa. ``metrics`` are the names :func:`finetuning.metrics.
+    regression and span_qa. ``metrics`` are the names :func:`bertpipe.finetuning.metrics.
     compute_task_metrics` reports; ``main_metric`` picks the model and must be one of them.
     ``positive_label`` is the class binary F1 counts as positive.
     """

@@ -5,7 +5,7 @@ three-column prediction file.
 Input: one token per line, ``word POS chunk NER`` (CoNLL-2003) or ``word label``; the label
 is the last column. Blank lines separate sentences; ``-DOCSTART-`` lines are skipped.
 
-Features from :func:`featurize_conll` (shared keys in :mod:`finetuning.tasks.base`), row i
+Features from :func:`featurize_conll` (shared keys in :mod:`bertpipe.finetuning.tasks.base`), row i
 is sentence i:
 
 - ``input_ids`` int32 [N, S], ``token_type_ids`` int8 [N, S] (all 0), ``attention_mask``
@@ -29,7 +29,7 @@ from typing import IO
 import numpy as np
 from tokenizers import Tokenizer
 
-from finetuning.tasks.base import (
+from bertpipe.finetuning.tasks.base import (
     IGNORE_INDEX,
     Features,
     ReadReport,

@@ -9,7 +9,7 @@ train and dev files have no header (``source, label, original label, sentence``)
 Examples are :class:`PairExample`; ``label`` is the class id in ``spec.labels`` order
 (classification), a float (regression) or ``None`` (unlabeled test files).
 
-Features from :func:`featurize_pairs` (see :mod:`finetuning.tasks.base` for the shared keys):
+Features from :func:`featurize_pairs` (shared keys in :mod:`~bertpipe.finetuning.tasks.base`):
 
 - ``input_ids`` int32 [N, S], ``token_type_ids`` int8 [N, S], ``attention_mask`` int8 [N, S],
   ``lengths`` int32 [N]: ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]``
@@ -33,7 +33,7 @@ from typing import IO, Literal
 import numpy as np
 from tokenizers import Tokenizer
 
-from finetuning.tasks.base import (
+from bertpipe.finetuning.tasks.base import (
     Features,
     ReadReport,
     TaskDataError,

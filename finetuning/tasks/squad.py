@@ -4,7 +4,7 @@ Contexts and questions are tokenized separately (no special tokens), so every to
 ``offsets`` are character offsets into the original context; windows are assembled as
 ``[CLS] question [SEP] context-window [SEP]`` with ids read from the tokenizer.
 
-Features from :func:`featurize_squad` (shared keys in :mod:`finetuning.tasks.base`):
+Features from :func:`featurize_squad` (shared keys in :mod:`bertpipe.finetuning.tasks.base`):
 
 - ``input_ids`` int32 [N, S], ``token_type_ids`` int8 [N, S] (1 on the window and last
   ``[SEP]``), ``attention_mask`` int8 [N, S], ``lengths`` int32 [N]
@@ -39,8 +39,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from bertpipe.config import ConfigError
-from bertpipe.fsio import join
-from finetuning.tasks.base import (
+from bertpipe.finetuning.tasks.base import (
     Features,
     ReadReport,
     TaskDataError,
@@ -51,6 +50,7 @@ from finetuning.tasks.base import (
     read_text,
     special_ids,
 )
+from bertpipe.fsio import join
 
 __all__ = [
     "SquadAnswer",

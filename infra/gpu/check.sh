@@ -192,9 +192,17 @@ else
     setup_failed "deepspeed/webdataset do not import and $WHEELS holds no wheels: run \
 \`make gpu-wheels\` where PyPI is reachable and carry .gpu-wheels"
 fi
-# bertpipe from this checkout (its packages sit at the repository root)
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import bertpipe.cli, training.trainer, training.data, deepspeed" \
+# bertpipe from this checkout, without installing it: the checkout keeps one folder per
+# stage (training/ is installed as bertpipe.training), so a view of the package is linked
+# together under the output folder, as the wheel would lay it out
+SRC="$OUT_DIR/.bertpipe-src"
+rm -rf "$SRC" && mkdir -p "$SRC/bertpipe"
+ln -s "$ROOT"/bertpipe/*.py "$SRC/bertpipe/"
+for part in configs preprocessing training finetuning; do
+    ln -s "$ROOT/$part" "$SRC/bertpipe/$part"
+done
+export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import bertpipe.cli, bertpipe.training.trainer, bertpipe.training.data, deepspeed" \
     >>"$LOG" 2>&1; then
     setup_failed "bertpipe's training modules do not import (see the log)"
 fi

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from finetuning.tasks.conll import (
+from bertpipe.finetuning.tasks.conll import (
     Sentence,
     align_predictions,
     conll_spec,

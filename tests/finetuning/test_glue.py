@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from bertpipe.config import ConfigError
-from finetuning.tasks.base import TaskDataError, check_max_seq_length, take
-from finetuning.tasks.glue import (
+from bertpipe.finetuning.tasks.base import TaskDataError, check_max_seq_length, take
+from bertpipe.finetuning.tasks.glue import (
     TableColumns,
     encode_pairs,
     featurize_pairs,

@@ -8,14 +8,14 @@ from typing import Any, cast
 import pytest
 import torch
 
-from finetuning.heads import (
+from bertpipe.finetuning.heads import (
     BertForQuestionAnswering,
     BertForSequenceClassification,
     BertForTokenClassification,
     BertTaskModel,
 )
-from training.hf import export_state_dict, save_hf_folder
-from training.model import BertForPreTraining, BertModelConfig
+from bertpipe.training.hf import export_state_dict, save_hf_folder
+from bertpipe.training.model import BertForPreTraining, BertModelConfig
 
 VOCAB = 203
 

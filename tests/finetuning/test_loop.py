@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from bertpipe.config import ConfigError, load_config
-from finetuning.config import FinetuneConfig
-from finetuning.loop import run_finetuning
+from bertpipe.finetuning.config import FinetuneConfig
+from bertpipe.finetuning.loop import run_finetuning
 from tests.finetuning.conftest import VOCAB
 
 pytestmark = pytest.mark.integration
@@ -28,9 +28,9 @@ NEGATIVE = ["the movie was terrible", "a bad film", "terrible movie", "bad bad f
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny BERT exported like `bertpipe export` does, with its tokenizer and lineage."""
-    from preprocessing.tokenizer import build_from_vocab, save_tokenizer
-    from training.hf import save_hf_folder
-    from training.model import BertForPreTraining, BertModelConfig
+    from bertpipe.preprocessing.tokenizer import build_from_vocab, save_tokenizer
+    from bertpipe.training.hf import save_hf_folder
+    from bertpipe.training.model import BertForPreTraining, BertModelConfig
 
     folder = tmp_path_factory.mktemp("bert")
     tokenizer = build_from_vocab(list(dict.fromkeys(VOCAB)))
@@ -233,7 +233,7 @@ def test_deterministic_and_random_baseline(pretrained: Path, tmp_path: Path) -> 
 def test_sweep_runs_are_nested_under_a_parent(pretrained: Path, tmp_path: Path) -> None:
     import mlflow
 
-    from finetuning.sweep import run_sweep
+    from bertpipe.finetuning.sweep import run_sweep
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     cfg = _cfg(

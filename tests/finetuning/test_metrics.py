@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from finetuning.metrics import (
+from bertpipe.finetuning.metrics import (
     accuracy,
     compute_task_metrics,
     f1_binary,
@@ -18,10 +18,10 @@ from finetuning.metrics import (
     rankdata,
     spearman,
 )
-from finetuning.tasks.base import TaskSpec
-from finetuning.tasks.conll import conll_spec
-from finetuning.tasks.glue import glue_task
-from finetuning.tasks.squad import squad_spec
+from bertpipe.finetuning.tasks.base import TaskSpec
+from bertpipe.finetuning.tasks.conll import conll_spec
+from bertpipe.finetuning.tasks.glue import glue_task
+from bertpipe.finetuning.tasks.squad import squad_spec
 
 
 def test_accuracy_takes_ids_or_logits():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bertpipe.config import ConfigError
-from finetuning.tasks.squad import (
+from bertpipe.finetuning.tasks.squad import (
     SquadAnswer,
     SquadExample,
     check_squad_lengths,
@@ -85,7 +85,7 @@ def test_reader_reports_mismatch_keeps_it_for_eval_skips_it_for_training(write, 
 
 
 def test_whole_file_errors(write):
-    from finetuning.tasks.base import TaskDataError
+    from bertpipe.finetuning.tasks.base import TaskDataError
 
     with pytest.raises(TaskDataError, match=r"bad\.json: invalid JSON at line 1"):
         read_squad(write("bad.json", "{oops"))

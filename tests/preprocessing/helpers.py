@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from preprocessing.instances import DocumentSet, TokenizedDoc
-from preprocessing.tokenizer import load_tokenizer
+from bertpipe.preprocessing.instances import DocumentSet, TokenizedDoc
+from bertpipe.preprocessing.tokenizer import load_tokenizer
 from tests.conftest import synthetic_documents
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from bertpipe.config import load_config
-from preprocessing.config import PreprocessConfig
-from preprocessing.run import run_preprocess
+from bertpipe.preprocessing.config import PreprocessConfig
+from bertpipe.preprocessing.run import run_preprocess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

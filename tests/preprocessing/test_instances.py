@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from preprocessing.instances import _removals, assemble, create_pairs
-from preprocessing.tokenizer import SpecialTokens, load_tokenizer
+from bertpipe.preprocessing.instances import _removals, assemble, create_pairs
+from bertpipe.preprocessing.tokenizer import SpecialTokens, load_tokenizer
 from tests.preprocessing.helpers import docset, google_reference, tokenized_docs
 
 
@@ -51,7 +51,7 @@ def test_recipe_statistics(tokenizer_dir: Path) -> None:
 
 def test_pairs_are_contiguous_or_from_another_document(tokenizer_dir: Path) -> None:
     docs = tokenized_docs(tokenizer_dir, 50, seed=2, min_sent=4, max_sent=30)
-    from preprocessing.instances import DocumentSet
+    from bertpipe.preprocessing.instances import DocumentSet
 
     ds = DocumentSet.from_docs(docs)
     (spec,), _ = _passes(ds, 64, dupes=1)
@@ -80,7 +80,7 @@ def test_matches_googles_reference_in_distribution(tokenizer_dir: Path) -> None:
         [doc.tokens[s:e].tolist() for s, e in zip(_starts(doc), doc.sentence_ends, strict=True)]
         for doc in docs
     ]
-    from preprocessing.instances import DocumentSet
+    from bertpipe.preprocessing.instances import DocumentSet
 
     ds = DocumentSet.from_docs(docs)
     ref = [

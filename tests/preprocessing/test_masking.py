@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from preprocessing.instances import assemble, create_pairs
-from preprocessing.masking import MaskingSpec, mask_block
-from preprocessing.shard_format import InstanceBlock
-from preprocessing.tokenizer import SpecialTokens, load_tokenizer
+from bertpipe.preprocessing.instances import assemble, create_pairs
+from bertpipe.preprocessing.masking import MaskingSpec, mask_block
+from bertpipe.preprocessing.shard_format import InstanceBlock
+from bertpipe.preprocessing.tokenizer import SpecialTokens, load_tokenizer
 from tests.preprocessing.helpers import docset
 
 
@@ -95,7 +95,7 @@ def test_deterministic_for_a_seed(tokenizer_dir: Path) -> None:
 
 
 def test_whole_word_masking_masks_words_together(tmp_path: Path) -> None:
-    from preprocessing.tokenizer import save_tokenizer, train_wordpiece
+    from bertpipe.preprocessing.tokenizer import save_tokenizer, train_wordpiece
     from tests.conftest import synthetic_documents
 
     texts = [s for d in synthetic_documents(100, seed=1) for s in d]

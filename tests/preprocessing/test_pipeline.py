@@ -12,9 +12,9 @@ from apache_beam.testing.test_pipeline import TestPipeline
 from apache_beam.testing.util import assert_that, equal_to
 
 from bertpipe.config import load_config
-from preprocessing.config import PreprocessConfig
-from preprocessing.instances import TokenizedDoc
-from preprocessing.pipeline import (
+from bertpipe.preprocessing.config import PreprocessConfig
+from bertpipe.preprocessing.instances import TokenizedDoc
+from bertpipe.preprocessing.pipeline import (
     CreateInstancesFn,
     Demux,
     PartRef,
@@ -23,9 +23,9 @@ from preprocessing.pipeline import (
     TokenizeFn,
     WriteShardFn,
 )
-from preprocessing.readers import InputConfig
-from preprocessing.run import prepare
-from preprocessing.shard_format import read_shard
+from bertpipe.preprocessing.readers import InputConfig
+from bertpipe.preprocessing.run import prepare
+from bertpipe.preprocessing.shard_format import read_shard
 from tests.preprocessing.helpers import tokenized_docs
 
 

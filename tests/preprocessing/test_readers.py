@@ -12,8 +12,8 @@ import pytest
 import zstandard
 
 from bertpipe import fsio
-from preprocessing.readers import InputConfig, common_root, read_documents
-from preprocessing.sentences import split_sentences
+from bertpipe.preprocessing.readers import InputConfig, common_root, read_documents
+from bertpipe.preprocessing.sentences import split_sentences
 
 
 def _read(path: Path, **cfg: object) -> tuple[list, Counter]:

@@ -13,9 +13,9 @@ import pytest
 
 from bertpipe.cli import main
 from bertpipe.config import load_config
-from preprocessing.config import PreprocessConfig
-from preprocessing.run import run_preprocess
-from preprocessing.shard_format import read_shard
+from bertpipe.preprocessing.config import PreprocessConfig
+from bertpipe.preprocessing.run import run_preprocess
+from bertpipe.preprocessing.shard_format import read_shard
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import webdataset as wds
 
-from preprocessing.shard_format import (
+from bertpipe.preprocessing.shard_format import (
     MEMBERS,
     InstanceBlock,
     gather_segments,

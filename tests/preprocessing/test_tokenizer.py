@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from preprocessing.tokenizer import (
+from bertpipe.preprocessing.tokenizer import (
     CorpusEncoder,
     SpecialTokens,
     TokenizerMismatchError,

@@ -13,8 +13,8 @@ def pretrain_shards(
 ) -> Path:
     """Shards of the synthetic corpus: ``seq64`` and ``seq128`` phases, with held-out splits."""
     from bertpipe.config import load_config
-    from preprocessing.config import PreprocessConfig
-    from preprocessing.run import run_preprocess
+    from bertpipe.preprocessing.config import PreprocessConfig
+    from bertpipe.preprocessing.run import run_preprocess
 
     out = tmp_path_factory.mktemp("shards")
     cfg = load_config(

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from bertpipe import fsio
-from preprocessing.shard_format import InstanceBlock, write_tar
-from training.collate import BATCH_KEYS, collate_block, pack_batch, unpack_batch
-from training.config import DataConfig, EvalConfig, PhaseSpec
-from training.data import (
+from bertpipe.preprocessing.shard_format import InstanceBlock, write_tar
+from bertpipe.training.collate import BATCH_KEYS, collate_block, pack_batch, unpack_batch
+from bertpipe.training.config import DataConfig, EvalConfig, PhaseSpec
+from bertpipe.training.data import (
     DataError,
     PretrainingData,
     build_pretraining_data,

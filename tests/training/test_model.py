@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from bertpipe.config import ConfigError, from_dict
-from training.model import PRESETS, BertForPreTraining, BertLayer, BertModel, BertModelConfig
+from bertpipe.training.model import (
+    PRESETS,
+    BertForPreTraining,
+    BertLayer,
+    BertModel,
+    BertModelConfig,
+)
 
 VOCAB = 1003  # not a multiple of 8
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from bertpipe.config import ConfigError, load_config
-from training.config import OptimizerConfig, PhaseSpec, PretrainConfig
-from training.engine import ds_config
-from training.optim import Lamb, build_optimizer, lr_lambda, param_groups
+from bertpipe.training.config import OptimizerConfig, PhaseSpec, PretrainConfig
+from bertpipe.training.engine import ds_config
+from bertpipe.training.optim import Lamb, build_optimizer, lr_lambda, param_groups
 
 
 class Tiny(nn.Module):
@@ -280,7 +280,7 @@ def test_lamb_under_deepspeed_stage0_keeps_per_layer_ratios(precision: str) -> N
     _skip_unless_deepspeed_supports(precision)
     import deepspeed
 
-    from training.engine import init_distributed
+    from bertpipe.training.engine import init_distributed
 
     init_distributed()
     torch.manual_seed(0)

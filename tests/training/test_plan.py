@@ -14,11 +14,11 @@ import torch
 import bertpipe.cli
 from bertpipe.config import ConfigError, from_dict
 from bertpipe.errors import BertpipeError
-from training.config import PretrainConfig
-from training.data import partition_blocks
-from training.flops import peak_flops, training_flops_per_sequence
-from training.model import BertLayer, BertModelConfig
-from training.plan import (
+from bertpipe.training.config import PretrainConfig
+from bertpipe.training.data import partition_blocks
+from bertpipe.training.flops import peak_flops, training_flops_per_sequence
+from bertpipe.training.model import BertLayer, BertModelConfig
+from bertpipe.training.plan import (
     GIB,
     PlanOptions,
     activation_bytes,
@@ -355,7 +355,7 @@ def test_sequence_lengths_from_option_and_position_limit() -> None:
 @pytest.fixture
 def plan_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the plan command in the parser, and no launcher environment."""
-    assert bertpipe.cli.COMMANDS["plan"] == "training.cli_plan:add_plan_command"
+    assert bertpipe.cli.COMMANDS["plan"] == "bertpipe.training.cli_plan:add_plan_command"
     monkeypatch.setattr(bertpipe.cli, "COMMANDS", {"plan": bertpipe.cli.COMMANDS["plan"]})
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

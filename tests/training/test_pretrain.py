@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from bertpipe.config import load_config, to_yaml
-from training import checkpoint as ckpt
-from training.config import PretrainConfig
-from training.trainer import run_pretraining
+from bertpipe.training import checkpoint as ckpt
+from bertpipe.training.config import PretrainConfig
+from bertpipe.training.trainer import run_pretraining
 
 pytestmark = pytest.mark.integration
 
@@ -175,7 +175,7 @@ def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path) ->
 
 def test_export_loads_in_transformers_with_same_logits(reference_run: dict, tmp_path: Path) -> None:  # type: ignore[type-arg]
     transformers = pytest.importorskip("transformers")
-    from training.export import export_checkpoint, load_checkpoint_model
+    from bertpipe.training.export import export_checkpoint, load_checkpoint_model
 
     cfg = reference_run["cfg"]
     info = export_checkpoint(cfg.checkpoint_dir, str(tmp_path / "hf"))
