@@ -135,7 +135,7 @@ class ReadDocumentsFn(beam.DoFn):
         self._batch = batch
 
     def setup(self) -> None:
-        self._progress = ProgressLine("preprocess: files read", self._num_files)
+        self._progress = ProgressLine("preprocess: files read", self._num_files, unit="file")
         self._done = 0
         self._docs = 0
 
@@ -155,7 +155,7 @@ class ReadDocumentsFn(beam.DoFn):
         _count(counts)
         self._done += 1
         self._docs += n
-        self._progress.update(self._done, f"{self._docs:,} documents", force=True)
+        self._progress.update(self._done, f"{self._docs:,} documents")
         if self._done >= self._num_files:
             self._progress.close()
         yield "counts", dict(counts)

@@ -71,9 +71,13 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from bertpipe.cli import add_config_arguments, config_from_args
 from bertpipe.errors import BertpipeError
+
+if TYPE_CHECKING:
+    from bertpipe.training.config import PretrainConfig
 
 __all__ = ["add_plan_command", "parse_seq_lens", "render_plan"]
 
@@ -183,6 +187,7 @@ def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(PretrainConfig, args)
     if cfg is None:
         return 0
+    _check_hardware(cfg, args.gpu)
     options = PlanOptions(
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
@@ -396,3 +401,21 @@ def _si(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.2f}{unit}"
     return f"{value:g}"
+
+
+def _check_hardware(cfg: PretrainConfig, gpu: str | None) -> None:
+    """Precision and fused ops against ``--gpu``; without it against this machine's GPU, or
+    its CPU when DS_ACCELERATOR=cpu says the run is a CPU run. A login node without GPUs
+    planning a GPU job is not held to its own CPU."""
+    import torch
+
+    from bertpipe.training.hardware import check_hardware, gpu_by_name, local_hardware
+
+    if gpu is not None:
+        hw = gpu_by_name(gpu)
+    elif torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR", "").lower() == "cpu":
+        hw = local_hardware()
+    else:
+        hw = None
+    if hw is not None:
+        check_hardware(hw, precision=cfg.precision, fused=cfg.optimizer.fused)

@@ -36,6 +36,7 @@ from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.config import PhaseSpec, PretrainConfig
 from bertpipe.training.engine import DistInfo, build_engine, ds_config, init_distributed
 from bertpipe.training.flops import mfu, peak_flops
+from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.model import BertForPreTraining, BertModelConfig, compile_layers
 from bertpipe.training.step import BatchPrep, BatchStats
 
@@ -371,7 +372,11 @@ class Trainer:
         if self.info.is_main:
             self._log_phase_start(index, dsconf, loader)
         seq_len = self.data[index].max_seq_length
-        progress = ProgressLine(f"{phase.name}", phase.max_steps) if self.info.is_main else None
+        progress = (
+            ProgressLine(phase.name, phase.max_steps, initial=phase_step, unit="step")
+            if self.info.is_main
+            else None
+        )
         window = _Window(self.info.device)
         batches = iter(loader)
         ended = phase_step >= phase.max_steps
@@ -392,6 +397,8 @@ class Trainer:
             self.samples_seen += phase.micro_batch_size * accumulation
             window.steps += 1
             ended = phase_step >= phase.max_steps
+            if progress is not None:  # host only: the bar, or a log line every minute
+                progress.update(phase_step)
             logging_now = phase_step % cfg.log_every_steps == 0 or ended
             # the stop flag costs a device read: only every few steps, never in between
             stopping = (
@@ -533,14 +540,14 @@ class Trainer:
         named = {f"train/{k}": v for k, v in metrics.items()}
         if self.run_id is not None:
             tracking.log_metrics(named, step=self.global_step)
-        if progress is not None and progress.enabled:
+        if progress is not None and progress.tty:
             progress.update(
                 phase_step, f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e}", force=True
             )
         else:
             log.info(
                 "%s step %d/%d (global %d): loss %.4f mlm %.4f nsp %.4f mlm_acc %.3f nsp_acc %.3f "
-                "lr %.3e %.1f seq/s",
+                "lr %.3e %.1f seq/s | %s",
                 phase.name,
                 phase_step,
                 phase.max_steps,
@@ -552,7 +559,10 @@ class Trainer:
                 metrics["nsp_accuracy"],
                 metrics["lr"],
                 metrics["samples_per_s"],
+                progress.line(phase_step) if progress is not None else "",
             )
+            if progress is not None:
+                progress.touch()
 
     @torch.no_grad()
     def _evaluate(self, engine: Any, index: int) -> dict[str, float]:
@@ -609,6 +619,8 @@ class Trainer:
 
 def run_pretraining(cfg: PretrainConfig) -> dict[str, Any]:
     """Join (or form) the distributed job and pre-train; rank 0 returns the summary."""
+    # before the process group: a device that cannot run the config is one line per rank
+    check_hardware(local_hardware(), precision=cfg.precision, fused=cfg.optimizer.fused)
     info = init_distributed()
     cfg.check_world(info.world_size)
     trainer = Trainer(cfg, info)
