@@ -609,9 +609,16 @@ def test_preflight_gates_on_the_plan() -> None:
     )
     assert bad_world.returncode == 2 and "global_batch_size" in bad_world.stderr
     too_small = subprocess.run(
-        [*base, "--nodes", "4", "--gpu", "t4"], env=_env(), capture_output=True, text=True
+        [*base, "--nodes", "4", "--gpu", "h100", "--gpu-memory-gb", "12"],
+        env=_env(),
+        capture_output=True,
+        text=True,
     )
     assert too_small.returncode == 3 and "GiB per GPU" in too_small.stderr
+    no_bf16 = subprocess.run(
+        [*base, "--nodes", "4", "--gpu", "t4"], env=_env(), capture_output=True, text=True
+    )
+    assert no_bf16.returncode == 2 and "'precision'" in no_bf16.stderr
 
 
 _RANK_SCRIPT = """

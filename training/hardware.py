@@ -90,7 +90,7 @@ def gpu_by_name(name: str) -> Hardware | None:
     for pattern, table in PEAK_TFLOPS:
         if re.search(pattern, short, flags=re.IGNORECASE):
             has_bf16 = "bf16" in table
-            why = "" if has_bf16 else "a GPU older than Ampere (compute capability < 8.0)"
+            why = "" if has_bf16 else "older than Ampere, compute capability < 8.0"
             return Hardware(name, "cuda", fp16="fp16" in table, bf16=has_bf16, why_not=why)
     return None
 
