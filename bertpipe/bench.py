@@ -35,9 +35,18 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from bertpipe.cli import add_global_options
+    from bertpipe.logs import setup_logging
+
     module = importlib.import_module(BENCHMARKS[args.benchmark][0])
     parser = argparse.ArgumentParser(prog=f"bertpipe bench {args.benchmark}")
     module.add_arguments(parser)
-    result = module.run_bench(parser.parse_args(args.options))
+    # after NAME every argument is the benchmark's, so the global options are parsed here
+    add_global_options(parser)
+    options = parser.parse_args(args.options)
+    if "log_level" in vars(options):
+        setup_logging(options.log_level)
+    args.traceback = vars(options).get("traceback", args.traceback)
+    result = module.run_bench(options)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0

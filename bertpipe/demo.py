@@ -3,8 +3,11 @@
 The corpus is the documentation that ships with Python (no download). Every stage runs
 with its real engine (HF tokenizers, Apache Beam on the direct runner, MLflow on a sqlite
 store under the output folder) at a size a laptop finishes in minutes. Each stage's
-resolved config is written beside its outputs, so any step can be re-run by hand with
-``bertpipe <stage> --config <out>/<stage>/config.yaml``.
+resolved config is written beside its outputs, so any step can be re-run by hand, e.g.
+``bertpipe tokenizer train --config <out>/tokenizer/config.yaml``, ``bertpipe preprocess
+--config <out>/shards/preprocess.yaml``, ``bertpipe pretrain --config
+<out>/pretrain/pretrain.yaml``, ``bertpipe finetune --config
+<out>/finetune/pretrained/finetune.yaml``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "demo",
         help="run the whole flow on a small embedded corpus (CPU, minutes)",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", "`"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
@@ -184,6 +187,7 @@ def _finetune(out: Path, common: list[str], *, random_init: bool) -> object:
         None,
         [
             f"output={out / 'finetune' / name}",
+            "overwrite=true",  # a rerun of the demo replaces its previous fine-tuning runs
             f"init_from={out / 'bert-tiny-hf'}",
             f"random_init={str(random_init).lower()}",
             "task.family=table",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from bertpipe.errors import BertpipeError
+from bertpipe.config import ConfigError
 
 # the first word of a recipe's file name is the stage that reads it
 STAGES = ("pretrain", "preprocess", "tokenizer", "finetune", "sweep")
@@ -65,9 +65,12 @@ def resolve(value: str) -> str:
     if len(matches) == 1 and not looks_like_path:
         return str(matches[0].path)
     names = ", ".join(r.short for r in recipes)
-    raise BertpipeError(
-        f"config {value}: no such file, and no shipped recipe of that name "
-        f"(shipped: {names}; see `bertpipe configs list`)"
+    if looks_like_path:
+        raise ConfigError("", f"config file {value} does not exist")
+    raise ConfigError(
+        "",
+        f"config file {value} does not exist, and no shipped recipe has that name "
+        f"(shipped: {names}; see `bertpipe configs list`)",
     )
 
 

@@ -15,9 +15,24 @@ def add_tokenizer_command(sub: argparse._SubParsersAction) -> None:
     train = actions.add_parser(
         "train",
         help="train a BERT WordPiece vocabulary (or import vocab_file=vocab.txt)",
-        description="Writes tokenizer.json, vocab.txt and tokenizer_config.json to `output`.",
+        description=(
+            "Trains a BERT WordPiece vocabulary on (a sample of) the corpus in input.paths, or "
+            "imports an existing vocab.txt (vocab_file=...), and writes tokenizer.json, "
+            "vocab.txt and tokenizer_config.json to `output`."
+        ),
+        add_help=False,
     )
-    add_config_arguments(train)
+    add_config_arguments(
+        train,
+        "bertpipe.preprocessing.config:TokenizerConfig",
+        example="vocab_size=32000 sample_fraction=0.1",
+        examples=[
+            "bertpipe tokenizer train --config tokenizer 'input.paths=[corpus/wiki/*.txt.gz]' "
+            "output=runs/tokenizer",
+            "bertpipe tokenizer train vocab_file=uncased_L-12_H-768_A-12/vocab.txt "
+            "output=runs/google-vocab",
+        ],
+    )
     train.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer")
     train.set_defaults(handler=_tokenizer_train)
 
@@ -44,8 +59,19 @@ def add_preprocess_command(sub: argparse._SubParsersAction) -> None:
             "PipelineOptions, e.g. `-- --direct_running_mode=multi_processing "
             "--direct_num_workers=4` or `-- --runner=DaskRunner --dask_client_address=HOST:8786`."
         ),
+        add_help=False,
     )
-    add_config_arguments(parser)
+    add_config_arguments(
+        parser,
+        "bertpipe.preprocessing.config:PreprocessConfig",
+        example="dupe_factor=10 'phases[1].max_predictions_per_seq=76'",
+        examples=[
+            "bertpipe preprocess --config preprocess 'input.paths=[corpus/]' "
+            "tokenizer=runs/tokenizer output=runs/shards",
+            "bertpipe preprocess --config preprocess 'input.paths=[s3://bucket/wiki/*.jsonl.gz]' "
+            "input.format=jsonl masking.whole_word=true dupe_factor=10",
+        ],
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace existing shards")
     parser.set_defaults(handler=_preprocess)
 

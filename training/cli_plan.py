@@ -96,8 +96,18 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
             "memory for the chosen ZeRO stage and precision and, with --gpu, the time. "
             "Every assumption is printed with the plan."
         ),
+        add_help=False,
     )
-    add_config_arguments(parser)
+    add_config_arguments(
+        parser,
+        "bertpipe.training.config:PretrainConfig",
+        example="optimizer.name=adamw zero.stage=2",
+        examples=[
+            "bertpipe plan --config bert-large-lamb --nodes 4 --gpus-per-node 8 --gpu h100",
+            "bertpipe plan --config bert-base-adamw --nodes 1 --gpus-per-node 8 --gpu a100-80g "
+            "zero.stage=2 'phases[0].micro_batch_size=64'",
+        ],
+    )
     parser.add_argument("--nodes", type=int, default=None, help="nodes (default: from WORLD_SIZE)")
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, help="GPUs per node (default: LOCAL_WORLD_SIZE)"
