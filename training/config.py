@@ -48,10 +48,13 @@ class ModelSpec:
     max_position_embeddings: int = 512
     """Longest sequence any phase may use."""
     hidden_dropout: float = 0.1
+    """Dropout on embeddings and on each sub-layer's output."""
     attention_dropout: float = 0.1
+    """Dropout on the attention probabilities."""
     pre_layer_norm: bool = False
     """Pre-LN instead of the paper's post-LN (not exportable to transformers)."""
     position_embedding: Literal["learned", "sinusoidal"] = "learned"
+    """Learned position table (BERT) or fixed sinusoids (not exportable to transformers)."""
     activation_checkpointing: bool = False
     """Recompute layer activations in the backward pass (less memory, ~1/3 more compute)."""
     unpad: bool = True
@@ -104,9 +107,15 @@ class PhaseSpec:
     """After warmup, decay to zero linearly (the paper) or as (1 - progress)^power (NVIDIA)."""
     decay_power: float = 0.5
     """Exponent of the poly decay."""
+    decay_from: Literal["warmup", "start"] = "warmup"
+    """``start``: the decay curve is (1 - u/total)^power of update u from the first update, and
+    warmup ramps linearly to the peak under it, so the first update after warmup is already
+    below the peak, as in NVIDIA's PolyWarmUpScheduler (and Google's BERT, whose TF code reads
+    the curve one update earlier). ``warmup``: the decay starts at the peak after warmup."""
     optimizer_state: Literal["keep", "reset"] = "keep"
     """For a phase after the first: keep the optimizer moments of the previous phase (as
-    NVIDIA's BERT recipe does) or start them afresh. The schedule always restarts."""
+    NVIDIA's BERT recipe does) or start them afresh. The schedule restarts unless the run's
+    ``schedule`` is ``continuous``."""
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -145,14 +154,22 @@ class OptimizerConfig:
 
     name: Literal["adamw", "lamb"] = "adamw"
     """``adamw``: AdamW as ``fused`` says, DeepSpeed's CPU Adam with optimizer offload.
-    ``lamb``: LAMB with per-layer trust ratios (ZeRO stage 0 only, see training/optim.py)."""
+    ``lamb``: LAMB as NVIDIA's BERT recipe runs it: per-tensor trust ratios on the tensors with
+    weight decay, a plain Adam step for the others (ZeRO stages 0-2, see training/optim.py)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Decay rates of the first and second moment estimates."""
     eps: float = 1e-6
     """BERT's epsilon."""
     weight_decay: float = 0.01
     """Decoupled weight decay; never applied to biases and LayerNorm weights."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm (0 disables)."""
+    max_trust_ratio: float | None = None
+    """LAMB: cap on ||w|| / ||update||; null: no cap (NVIDIA's LAMB has none)."""
+    trust_ratio: Literal["decayed", "all"] = "decayed"
+    """LAMB: which tensors get the trust ratio. ``decayed``: those with weight decay, the others
+    a plain Adam step (apex FusedLAMB, NVIDIA's recipe); ``all``: every tensor (apex's
+    ``use_nvlamb``, the LAMB paper)."""
     fused: Literal["auto", "torch", "deepspeed", "none"] = "auto"
     """AdamW's implementation. ``auto``: torch's fused AdamW on GPU, its multi-tensor (foreach)
     AdamW on CPU. ``torch``: torch's fused AdamW (GPU or CPU). ``deepspeed``: DeepSpeed's
@@ -165,6 +182,8 @@ class OptimizerConfig:
             raise ConfigError("betas", "must be in [0, 1)")
         if self.eps <= 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ConfigError("eps", "eps must be positive, weight_decay and max_grad_norm >= 0")
+        if self.max_trust_ratio is not None and self.max_trust_ratio <= 0:
+            raise ConfigError("max_trust_ratio", "must be positive, or null for no cap")
         if self.name == "lamb" and self.fused == "deepspeed":
             raise ConfigError(
                 "fused",
@@ -183,7 +202,9 @@ class ZeroConfig:
     offload_optimizer: Literal["none", "cpu"] = "none"
     """Keep optimizer states and step on the CPU (stages 1-3)."""
     overlap_comm: bool = True
+    """Overlap gradient reduction with the backward pass (DeepSpeed's ``overlap_comm``)."""
     contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
     bucket_size: int = 50_000_000
     """Elements per reduce/all-gather bucket."""
 
@@ -257,6 +278,10 @@ class PretrainConfig:
     """Phases in order; a later phase starts from the previous phase's weights."""
     only_phase: str | None = None
     """Run just this phase (it resumes from the previous phase's final checkpoint)."""
+    schedule: Literal["per_phase", "continuous"] = "per_phase"
+    """``per_phase``: each phase has its own warmup and decay (NVIDIA's recipe).
+    ``continuous``: one warmup (phase 1's) and one decay over the steps of all phases, at
+    phase 1's peak learning rate (the BERT paper: 1M steps, 90% of them at 128 tokens)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: Literal["fp32", "fp16", "bf16"] = "bf16"
@@ -286,14 +311,39 @@ class PretrainConfig:
         names = [p.name for p in self.phases]
         if len(set(names)) != len(names):
             raise ConfigError("phases", f"phase names must be unique, got {names}")
+        if self.schedule == "continuous":
+            first = self.phases[0]
+            for i, phase in enumerate(self.phases[1:], start=1):
+                if phase.learning_rate != first.learning_rate:
+                    raise ConfigError(
+                        f"phases[{i}].learning_rate",
+                        "with schedule=continuous every phase runs on phase 1's curve: set it "
+                        f"to {first.learning_rate:g} like phases[0], or use schedule=per_phase",
+                    )
+                if phase.warmup_steps():
+                    raise ConfigError(
+                        f"phases[{i}].warmup",
+                        "with schedule=continuous only the first phase warms up: set it to 0",
+                    )
+                for key in ("decay", "decay_power", "decay_from"):
+                    if getattr(phase, key) != getattr(first, key):
+                        raise ConfigError(
+                            f"phases[{i}].{key}",
+                            f"with schedule=continuous it must equal phases[0].{key}",
+                        )
         if self.only_phase is not None and self.only_phase not in names:
             raise ConfigError("only_phase", f"must be one of {names}")
-        if self.optimizer.name == "lamb" and self.zero.stage > 0:
+        if self.optimizer.name == "lamb" and self.zero.stage > 2:
             raise ConfigError(
-                "optimizer.name",
-                "lamb needs zero.stage=0: under ZeRO >= 1 an optimizer sees flat partitions of "
-                "many layers, so per-layer trust ratios would silently be per-partition; use "
-                "adamw with ZeRO, or LAMB without",
+                "zero.stage",
+                "lamb runs at ZeRO stages 0-2 (whole-tensor trust ratios are reassembled from "
+                "the stage 1/2 partitions); stage 3 is not supported: use zero.stage=1 or 2",
+            )
+        if self.optimizer.name == "lamb" and self.zero.offload_optimizer != "none":
+            raise ConfigError(
+                "zero.offload_optimizer",
+                "an offloaded optimizer is DeepSpeed's CPU Adam, not LAMB: use "
+                "offload_optimizer=none with lamb, or optimizer.name=adamw",
             )
         if self.log_every_steps < 1:
             raise ConfigError("log_every_steps", "must be at least 1")

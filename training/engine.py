@@ -8,6 +8,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -19,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bertpipe.launch import detect_launch
 from bertpipe.training.config import PhaseSpec, PretrainConfig, ZeroConfig
-from bertpipe.training.optim import build_optimizer, lr_lambda
+from bertpipe.training.optim import Lamb, attach_zero_partitions, build_optimizer, lr_lambda
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +52,19 @@ def _free_port() -> int:
 def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     """Join the job started by a launcher, or form a one-process job when run directly.
 
-    The ``deepspeed`` launcher (and torchrun, SLURM with the usual exports, the Kubernetes
-    manifests in infra/) sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT.
-    Without them this process is rank 0 of 1 on a free local port. NCCL on GPUs, gloo on CPU.
+    :func:`bertpipe.launch.detect_launch` reads the launcher's environment: RANK/WORLD_SIZE
+    (the ``deepspeed`` launcher, torchrun), MPI (``mpirun``: OpenMPI, MPICH, Intel MPI), SLURM
+    (``srun`` with one task per GPU), else this process is rank 0 of 1 on a free local port.
+    An environment showing several tasks but no rank for this one raises
+    :class:`~bertpipe.launch.LaunchError` before DeepSpeed is imported. NCCL on GPUs, gloo on
+    CPU.
     """
-    if "RANK" not in os.environ:
-        os.environ.update(
-            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-        )
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if not dist.is_initialized():  # else already in the job (called again in one process)
+        launch = detect_launch(os.environ)
+        if launch.master_port is None:  # one process: any free port
+            launch = dataclasses.replace(launch, master_port=_free_port())
+        os.environ.update(launch.variables())
+        log.info("%s", launch.describe())
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -71,8 +76,10 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
     if accelerator.device_name() == "cuda":
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        # srun --gpus-per-task=1 (or --gpu-bind) leaves each task one visible GPU: index 0
+        index = local_rank % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
     else:
         device = torch.device(accelerator.device_name())
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
@@ -158,8 +165,27 @@ def build_engine(
     optimizer = build_optimizer(
         model, cfg.optimizer, phase.learning_rate, offload=cfg.zero.offload_optimizer == "cpu"
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(phase))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(phase, cfg))
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
+    if isinstance(optimizer, Lamb):
+        _whole_tensor_trust_ratios(engine, optimizer, model, cfg.zero.stage)
     return engine, config
+
+
+def _whole_tensor_trust_ratios(engine: Any, lamb: Lamb, model: nn.Module, stage: int) -> None:
+    """LAMB's ratios must be per tensor: at stages 1-2 tell it where the tensors lie in the
+    ZeRO partitions; at stage 0 make sure DeepSpeed handed it whole tensors (its mixed-
+    precision wrappers of some versions flatten them, which would silently make the ratio
+    one per flat buffer)."""
+    if stage in (1, 2):
+        attach_zero_partitions(lamb, engine.optimizer)
+        return
+    held = sorted(tuple(p.shape) for g in lamb.param_groups for p in g["params"])
+    model_shapes = sorted(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+    if held != model_shapes:
+        raise RuntimeError(
+            "DeepSpeed handed LAMB flattened tensors at ZeRO stage 0, so trust ratios would "
+            "not be per tensor: upgrade deepspeed (tested: the version in constraints.txt)"
+        )

@@ -22,15 +22,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from bertpipe.config import ConfigError
-from bertpipe.training.config import OptimizerConfig, PhaseSpec
+from bertpipe.training.config import OptimizerConfig, PhaseSpec, PretrainConfig
 
-__all__ = ["Lamb", "build_optimizer", "lr_lambda", "param_groups", "warmup_decay"]
+__all__ = [
+    "Lamb",
+    "ZeroPartition",
+    "attach_zero_partitions",
+    "build_optimizer",
+    "lr_lambda",
+    "param_groups",
+    "warmup_decay",
+]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -52,16 +61,29 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 class Lamb(torch.optim.Optimizer):
-    """LAMB with decoupled weight decay and a per-tensor trust ratio.
+    """LAMB as NVIDIA's BERT recipe runs it (apex ``FusedLAMB``, DeepLearningExamples).
 
-    update = m_hat / (sqrt(v_hat) + eps) + weight_decay * w
-    w <- w - lr * clip(||w|| / ||update||) * update, the ratio 1 when either norm is 0.
-    Bias correction as in Adam (NVIDIA's LAMB v2 recipe); the moments are fp32.
+    Per tensor, with bias-corrected Adam moments (fp32) and decoupled weight decay ``wd``:
+
+        update = m_hat / (sqrt(v_hat) + eps) + wd * w
+        w <- w - lr * ratio * update
+
+    ``ratio = ||w|| / ||update||`` (1 when either norm is 0) for tensors in a group with
+    weight decay; tensors without (biases, LayerNorm) take a plain Adam step, ratio 1, as
+    apex does unless ``use_nvlamb`` (here ``trust_all=True``). No cap by default
+    (``max_trust_ratio`` sets one). The global gradient-norm clipping NVIDIA does inside the
+    optimizer happens before the step here: DeepSpeed's ``gradient_clipping``.
 
     The step is multi-tensor (``torch._foreach_*``, one pass per param group, device and
-    dtype) and never waits for the device: the trust ratios stay on it, one 0-dim tensor per
-    parameter in ``state["trust_ratio"]``, and :meth:`trust_ratio_stats` reads them (once)
-    only when asked, for logging.
+    dtype) and never waits for the device: the ratios stay on it, and
+    :meth:`trust_ratio_stats` reads them (once) only when asked, for logging.
+
+    Under ZeRO stages 1 and 2 DeepSpeed hands the optimizer one flat fp32 partition per
+    group, a slice that cuts through many tensors. :func:`attach_zero_partitions` tells the
+    optimizer where each tensor lies in it; each rank then sums the squares of its pieces of
+    every tensor's weight and update, one all-reduce of 2 x (tensors in the group) floats
+    gives every rank the whole tensors' norms, and each piece takes its tensor's ratio: the
+    same step as on one rank with whole tensors.
     """
 
     def __init__(
@@ -71,7 +93,8 @@ class Lamb(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.01,
-        max_trust_ratio: float = 10.0,
+        max_trust_ratio: float | None = None,
+        trust_all: bool = False,
     ) -> None:
         defaults = {
             "lr": lr,
@@ -79,9 +102,12 @@ class Lamb(torch.optim.Optimizer):
             "eps": eps,
             "weight_decay": weight_decay,
             "max_trust_ratio": max_trust_ratio,
+            "trust_all": trust_all,
         }
         super().__init__(params, defaults)
-        self._last_ratios: list[torch.Tensor] = []  # the last step's, one 1-D tensor per pass
+        # the last step's ratios of the groups that use them, one 1-D tensor per pass
+        self._last_ratios: dict[int, list[torch.Tensor]] = {}
+        self._zero: dict[int, ZeroPartition] = {}  # id(flat partition) -> where tensors lie
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -89,17 +115,25 @@ class Lamb(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        ratios = []
         for group in self.param_groups:
+            ratios = []
             with_grad = [p for p in group["params"] if p.grad is not None]
-            for params in _by_device_and_dtype(with_grad):
+            flat = [p for p in with_grad if id(p) in self._zero]
+            for p in flat:
+                ratios.append(self._update_partition(group, p, self._zero[id(p)]))
+            whole = [p for p in with_grad if id(p) not in self._zero]
+            for params in _by_device_and_dtype(whole):
                 ratios.append(self._update(group, params))
-        self._last_ratios = ratios
+            # by group: DeepSpeed's ZeRO optimizer steps one group at a time
+            if ratios and self._uses_ratio(group):
+                self._last_ratios[id(group)] = ratios
         return loss
 
-    def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> torch.Tensor:
-        """One step for ``params`` (one group's, all on one device with one dtype); returns
-        their trust ratios, shape (len(params),), fp32."""
+    def _adam_updates(
+        self, group: dict[str, Any], params: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The Adam direction plus decoupled decay for ``params`` (fp32), and the fp32
+        weights (the parameters themselves when fp32)."""
         beta1, beta2 = group["betas"]
         states = [self.state[p] for p in params]
         for p, state in zip(params, states, strict=True):
@@ -116,40 +150,141 @@ class Lamb(torch.optim.Optimizer):
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         # bias corrections are host floats (the step counts are ints): no device read
-        updates = torch._foreach_div(exp_avgs, [1 - beta1 ** s["step"] for s in states])
+        updates = list(torch._foreach_div(exp_avgs, [1 - beta1 ** s["step"] for s in states]))
         denom = torch._foreach_div(exp_avg_sqs, [1 - beta2 ** s["step"] for s in states])
         torch._foreach_sqrt_(denom)
         torch._foreach_add_(denom, group["eps"])
         torch._foreach_div_(updates, denom)
         del denom
-        weights = [p.float() for p in params]  # the parameters themselves when fp32
+        weights = [p.float() for p in params]
         if group["weight_decay"]:
             torch._foreach_add_(updates, weights, alpha=group["weight_decay"])
-        w_norm = torch.stack(torch._foreach_norm(weights))
-        u_norm = torch.stack(torch._foreach_norm(updates))
-        ratio = torch.where(
-            (w_norm > 0) & (u_norm > 0),
-            (w_norm / u_norm).clamp(max=group["max_trust_ratio"]),
-            torch.ones_like(w_norm),
-        )
-        per_tensor = ratio.unbind()
-        for state, r in zip(states, per_tensor, strict=True):
-            state["trust_ratio"] = r
-        torch._foreach_mul_(updates, per_tensor)
+        return updates, weights
+
+    @staticmethod
+    def _uses_ratio(group: dict[str, Any]) -> bool:
+        return bool(group["weight_decay"]) or bool(group["trust_all"])
+
+    @staticmethod
+    def _ratio(group: dict[str, Any], w_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
+        ratio = w_norm / u_norm
+        if group["max_trust_ratio"] is not None:
+            ratio = ratio.clamp(max=group["max_trust_ratio"])
+        return torch.where((w_norm > 0) & (u_norm > 0), ratio, torch.ones_like(ratio))
+
+    @staticmethod
+    def _apply(group: dict[str, Any], params: list[torch.Tensor], updates: list[torch.Tensor]):
         if params[0].dtype != torch.float32:
-            updates = tuple(u.to(params[0].dtype) for u in updates)
+            updates = [u.to(params[0].dtype) for u in updates]
         torch._foreach_add_(params, updates, alpha=-group["lr"])
+
+    def _update(self, group: dict[str, Any], params: list[torch.Tensor]) -> torch.Tensor:
+        """One step for whole tensors ``params`` (one group's, one device and dtype); returns
+        their trust ratios, shape (len(params),), fp32."""
+        updates, weights = self._adam_updates(group, params)
+        if self._uses_ratio(group):
+            w_norm = torch.stack(torch._foreach_norm(weights))
+            u_norm = torch.stack(torch._foreach_norm(updates))
+            ratio = self._ratio(group, w_norm, u_norm)
+            per_tensor = ratio.unbind()
+            torch._foreach_mul_(updates, per_tensor)
+        else:
+            ratio = torch.ones(len(params), device=params[0].device)
+            per_tensor = ratio.unbind()
+        for p, r in zip(params, per_tensor, strict=True):
+            self.state[p]["trust_ratio"] = r
+        self._apply(group, params, updates)
+        return ratio
+
+    def _update_partition(
+        self, group: dict[str, Any], flat: torch.Tensor, part: ZeroPartition
+    ) -> torch.Tensor:
+        """One step for a ZeRO flat partition; returns the ratios of the tensors it holds."""
+        import torch.distributed as dist
+
+        (update,), (weight,) = self._adam_updates(group, [flat])
+        count = len(part.segments)
+        if not self._uses_ratio(group):
+            ratio = torch.ones(count, device=flat.device)
+        else:
+            u_views = [update[a:b] for a, b in part.segments]
+            sums = torch.zeros(2, part.num_tensors, device=flat.device, dtype=torch.float32)
+            if count:
+                w_views = [weight[a:b] for a, b in part.segments]
+                local = torch.stack(
+                    [
+                        torch.stack(torch._foreach_norm(w_views)),
+                        torch.stack(torch._foreach_norm(u_views)),
+                    ]
+                )
+                sums[:, part.first : part.first + count] = local.square()
+            dist.all_reduce(sums, group=part.group)  # the one collective of the step
+            norms = sums.sqrt()
+            ratio = self._ratio(group, norms[0], norms[1])[part.first : part.first + count]
+            if count:
+                torch._foreach_mul_(u_views, ratio.unbind())
+        self._apply(group, [flat], [update])
         return ratio
 
     def trust_ratio_stats(self) -> dict[str, float]:
-        """``min``, ``mean`` and ``max`` of the trust ratios of the tensors the last step
-        updated, in one device-to-host read; empty before the first step."""
-        if not self._last_ratios:
+        """``min``, ``mean`` and ``max`` of the trust ratios of the tensors with weight decay
+        (all tensors with ``trust_all``) the last step updated, in one device-to-host read;
+        empty before the first step."""
+        last = [r for ratios in self._last_ratios.values() for r in ratios]
+        if not last:
             return {}
-        device = self._last_ratios[0].device
-        ratios = torch.cat([r.to(device) for r in self._last_ratios])
+        ratios = torch.cat([r.to(last[0].device) for r in last])
+        if not ratios.numel():
+            return {}
         low, mean, high = torch.stack([ratios.min(), ratios.mean(), ratios.max()]).tolist()
         return {"min": low, "mean": mean, "max": high}
+
+
+@dataclass(frozen=True)
+class ZeroPartition:
+    """Where the tensors of one param group lie in this rank's ZeRO flat partition."""
+
+    segments: tuple[tuple[int, int], ...]
+    """(start, end) in the flat partition of each tensor piece it holds, in tensor order."""
+    first: int
+    """Index (in the group's flattening order) of the first tensor with a piece here."""
+    num_tensors: int
+    """Tensors in the whole group, on all ranks."""
+    group: Any
+    """The data-parallel process group the partitions are spread over."""
+
+
+def zero_partitions(zero_optimizer: Any) -> list[tuple[torch.Tensor, ZeroPartition]]:
+    """The flat fp32 partition of each param group of DeepSpeed's ZeRO stage 1/2 optimizer
+    (``DeepSpeedZeroOptimizer``) with the layout of the tensors in it, from the optimizer's
+    own bookkeeping: each tensor's offset in the flattened group (after round-robin
+    reordering and alignment padding) and the partition size."""
+    import torch.distributed as dist
+
+    out = []
+    for i, flat in enumerate(zero_optimizer.single_partition_of_fp32_groups):
+        group = zero_optimizer.real_dp_process_group[i]
+        size = int(zero_optimizer.partition_size[i])
+        start = dist.get_rank(group=group) * size
+        tensors = zero_optimizer.round_robin_bit16_groups[i]
+        offsets = zero_optimizer.round_robin_bit16_offsets[i]
+        held = []
+        for k, (tensor, offset) in enumerate(zip(tensors, offsets, strict=True)):
+            a, b = max(offset, start), min(offset + tensor.numel(), start + size)
+            if a < b:
+                held.append((k, a - start, b - start))
+        first = held[0][0] if held else 0
+        if [k for k, _, _ in held] != list(range(first, first + len(held))):
+            raise RuntimeError("a ZeRO partition holds non-consecutive tensors")
+        segments = tuple((a, b) for _, a, b in held)
+        out.append((flat, ZeroPartition(segments, first, len(tensors), group)))
+    return out
+
+
+def attach_zero_partitions(optimizer: Lamb, zero_optimizer: Any) -> None:
+    """Make ``optimizer`` (the client optimizer DeepSpeed wrapped at ZeRO stage 1 or 2)
+    compute trust ratios of whole tensors across the ranks' partitions."""
+    optimizer._zero = {id(flat): part for flat, part in zero_partitions(zero_optimizer)}
 
 
 def _by_device_and_dtype(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -169,7 +304,15 @@ def build_optimizer(
     """
     groups = param_groups(model, cfg.weight_decay)
     if cfg.name == "lamb":  # its own multi-tensor step; the config refuses fused=deepspeed
-        return Lamb(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return Lamb(
+            groups,
+            lr=lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            max_trust_ratio=cfg.max_trust_ratio,
+            trust_all=cfg.trust_ratio == "all",
+        )
     if offload:
         if cfg.fused != "auto":
             raise ConfigError(
@@ -206,24 +349,62 @@ def _steps_on_cuda(groups: list[dict[str, Any]]) -> bool:
     return torch.cuda.is_available() and all(p.device.type in ("cuda", "cpu") for p in params)
 
 
-def lr_lambda(phase: PhaseSpec) -> Callable[[int], float]:
-    """The multiplier schedule of a pre-training phase (see :func:`warmup_decay`)."""
-    return warmup_decay(phase.warmup_steps(), phase.max_steps, phase.decay, phase.decay_power)
+def lr_lambda(phase: PhaseSpec, cfg: PretrainConfig | None = None) -> Callable[[int], float]:
+    """The multiplier schedule of a pre-training phase (see :func:`warmup_decay`); with
+    ``cfg.schedule == "continuous"`` the phase's stretch of one schedule over all phases."""
+    if cfg is None or cfg.schedule == "per_phase":
+        return warmup_decay(
+            _warmup(phase), phase.max_steps, phase.decay, phase.decay_power, phase.decay_from
+        )
+    index = next(i for i, p in enumerate(cfg.phases) if p.name == phase.name)
+    first = cfg.phases[0]
+    offset = sum(p.max_steps for p in cfg.phases[:index])
+    whole = warmup_decay(
+        _warmup(first),
+        sum(p.max_steps for p in cfg.phases),
+        first.decay,
+        first.decay_power,
+        first.decay_from,
+    )
+    return lambda step: whole(offset + step)
+
+
+def _warmup(phase: PhaseSpec) -> float:
+    """Warmup in updates; unrounded for ``decay_from="start"``, as NVIDIA's scheduler takes
+    the fraction itself (0.2843 of 7038 steps is 2000.9)."""
+    if phase.decay_from == "start" and phase.warmup < 1:
+        return phase.warmup * phase.max_steps
+    return phase.warmup_steps()
 
 
 def warmup_decay(
-    warmup: int, total: int, decay: str = "linear", power: float = 1.0
+    warmup: float,
+    total: int,
+    decay: str = "linear",
+    power: float = 1.0,
+    decay_from: str = "warmup",
 ) -> Callable[[int], float]:
     """Multiplier of the peak learning rate after ``step`` optimizer steps.
 
-    Update ``u`` (1 ... total) uses ``u / warmup`` of the peak during warmup, then
-    ``r`` (linear) or ``r ** power`` (poly) with ``r = (total - u + 1) / (total - warmup)``:
-    the first update after warmup is at the peak, the last at ``1 / (total - warmup)`` of it.
+    Update ``u`` (1 ... total) uses ``u / warmup`` of the peak during warmup (``u <= warmup``;
+    ``u < warmup`` with ``decay_from="start"``, as NVIDIA compares). After it, with exponent 1
+    (linear) or ``power`` (poly):
+
+    - ``decay_from="warmup"``: ``r ** exponent`` with ``r = (total - u + 1) / (total -
+      warmup)``: the first update after warmup is at the peak, the last at
+      ``1 / (total - warmup)`` of it;
+    - ``decay_from="start"``: ``(1 - u / total) ** exponent``, the curve of NVIDIA's
+      ``PolyWarmUpScheduler`` (stepped before each update): the first update after warmup
+      is at ``(1 - (warmup + 1) / total) ** exponent``, the last at 0.
     """
     exponent = 1.0 if decay == "linear" else power
 
     def multiplier(step: int) -> float:
         update = step + 1  # the update about to be made, 1 ... total
+        if decay_from == "start":
+            if update < warmup:
+                return update / warmup
+            return math.pow(max(0.0, 1.0 - update / total), exponent)
         if update <= warmup:
             return update / warmup
         remaining = max(0.0, (total - update + 1) / max(1, total - warmup))

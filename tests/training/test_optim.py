@@ -6,6 +6,7 @@ ds_config."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -62,11 +63,69 @@ def test_warmup_then_decay(decay: str, expected: list[float]) -> None:
     assert [f(step) for step in range(10)] == pytest.approx(expected)
 
 
+def _nvidia_poly_warmup(base_lr: float, warmup: float, total: int, degree: float, update: int):
+    """NVIDIA DeepLearningExamples' PolyWarmUpScheduler.get_lr, transcribed: the scheduler is
+    stepped before each optimizer step, so update u (1-based) sees last_epoch = u."""
+    progress = update / total
+    if progress < warmup:
+        return base_lr * progress / warmup
+    return base_lr * (1.0 - progress) ** degree
+
+
+def test_poly_decay_from_start_is_nvidias_schedule() -> None:
+    """NVIDIA's BERT-Large phase 1: warmup 0.2843 of 7038 steps, degree 0.5."""
+    phase = PhaseSpec(
+        max_steps=7038, warmup=0.2843, decay="poly", decay_power=0.5, decay_from="start"
+    )
+    f = lr_lambda(phase)
+    for update in (1, 2, 1000, 2000, 2001, 2002, 5000, 7037, 7038):
+        want = _nvidia_poly_warmup(6e-3, 0.2843, 7038, 0.5, update)
+        assert 6e-3 * f(update - 1) == pytest.approx(want, rel=1e-12, abs=1e-15), update
+    # the first update after warmup is already below the peak (0.846 of it)
+    assert f(2000) == pytest.approx((1 - 2001 / 7038) ** 0.5) == pytest.approx(0.8459, abs=1e-4)
+
+
+def test_continuous_schedule_spans_the_phases() -> None:
+    """The paper: one warmup and one linear decay over both phases at one peak."""
+    cfg = load_config(
+        PretrainConfig,
+        None,
+        [
+            "schedule=continuous",
+            "phases=[{name: a, max_steps: 90, warmup: 10, learning_rate: 0.1},"
+            " {name: b, max_steps: 10, warmup: 0, learning_rate: 0.1}]",
+        ],
+    )
+    one = lr_lambda(PhaseSpec(max_steps=100, warmup=10))
+    a, b = (lr_lambda(p, cfg) for p in cfg.phases)
+    assert [a(s) for s in range(90)] == [one(s) for s in range(90)]
+    assert [b(s) for s in range(10)] == [one(90 + s) for s in range(10)]
+    assert b(0) == pytest.approx(10 / 90) and b(9) == pytest.approx(1 / 90)
+    for bad, key in [
+        ("phases[1].learning_rate=0.2", "phases[1].learning_rate"),
+        ("phases[1].warmup=5", "phases[1].warmup"),
+        ("phases[1].decay=poly", "phases[1].decay"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(key)):
+            load_config(PretrainConfig, None, [*_CONTINUOUS, bad])
+
+
+_CONTINUOUS = [
+    "schedule=continuous",
+    "phases=[{name: a, max_steps: 90, warmup: 10, learning_rate: 0.1},"
+    " {name: b, max_steps: 10, warmup: 0, learning_rate: 0.1}]",
+]
+
+
 def _reference_lamb_step(p: torch.Tensor, g: torch.Tensor, lr: float, wd: float) -> torch.Tensor:
+    """The first step of apex's FusedLAMB (multi_tensor_lamb.cu, adam_w_mode, bias correction,
+    grad averaging, no use_nvlamb): m_hat = g, v_hat = g^2; the trust ratio only where the
+    weight decay is non-zero, and no cap."""
     m = 0.1 * g
     v = 0.001 * g * g
     update = (m / 0.1) / ((v / 0.001).sqrt() + 1e-6) + wd * p
-    ratio = (p.norm() / update.norm()).clamp(max=10.0) if p.norm() > 0 else torch.tensor(1.0)
+    use_ratio = wd != 0 and p.norm() > 0 and update.norm() > 0
+    ratio = p.norm() / update.norm() if use_ratio else torch.tensor(1.0)
     return p - lr * ratio * update
 
 
@@ -82,9 +141,13 @@ def test_lamb_trust_ratio_is_per_tensor() -> None:
         wd = 0.0 if param.ndim < 2 or "LayerNorm" in name else 0.01
         want = _reference_lamb_step(before[name], grads[name], 0.1, wd)
         assert torch.allclose(param.detach(), want, atol=1e-6), name
-    ratios = [float(opt.state[p]["trust_ratio"]) for p in model.parameters()]
+    decayed = param_groups(model, 0.01)[0]["params"]
+    ratios = [float(opt.state[p]["trust_ratio"]) for p in decayed]
     assert len(set(round(r, 6) for r in ratios)) == len(ratios)  # one ratio per tensor
-    stats = opt.trust_ratio_stats()
+    assert all(
+        float(opt.state[p]["trust_ratio"]) == 1.0 for p in param_groups(model, 0.01)[1]["params"]
+    )
+    stats = opt.trust_ratio_stats()  # of the tensors that take a ratio
     assert stats == pytest.approx(
         {"min": min(ratios), "mean": sum(ratios) / len(ratios), "max": max(ratios)}
     )
@@ -97,7 +160,8 @@ def _per_tensor_lamb(
     wd: float,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-6,
-    max_ratio: float = 10.0,
+    max_ratio: float | None = None,
+    trust_all: bool = False,
 ) -> tuple[list[torch.Tensor], list[float]]:
     """LAMB written out one tensor at a time (the algorithm, not our code): the weights after
     all steps and the trust ratios of the last one."""
@@ -116,14 +180,17 @@ def _per_tensor_lamb(
             m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
             update = m_hat / (v_hat.sqrt() + eps) + wd * weights[i]
             w_norm, u_norm = weights[i].norm(), update.norm()
-            ratio = min(float(w_norm / u_norm), max_ratio) if w_norm > 0 and u_norm > 0 else 1.0
+            ratio = 1.0
+            if (wd != 0 or trust_all) and w_norm > 0 and u_norm > 0:
+                ratio = float(w_norm / u_norm)
+                ratio = ratio if max_ratio is None else min(ratio, max_ratio)
             weights[i] = weights[i] - lr * ratio * update
             ratios.append(ratio)
     return weights, ratios
 
 
-@pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_lamb_foreach_step_matches_a_per_tensor_loop(wd: float) -> None:
+@pytest.mark.parametrize(("wd", "trust_all"), [(0.0, True), (0.1, False), (0.0, False)])
+def test_lamb_foreach_step_matches_a_per_tensor_loop(wd: float, trust_all: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     shapes = [(7, 5), (5,), (3, 4, 2), (6,), (4, 4)]
     weights = [torch.randn(s, generator=gen) for s in shapes]
@@ -134,18 +201,24 @@ def test_lamb_foreach_step_matches_a_per_tensor_loop(wd: float) -> None:
     ]
     grads_per_step[2][1] = None  # one tensor skips a step: its own step count and moments
     params = [nn.Parameter(w.clone()) for w in weights]
-    opt = Lamb([{"params": params, "weight_decay": wd}], lr=0.05, max_trust_ratio=5.0)
+    group = {"params": params, "weight_decay": wd}
+    opt = Lamb([group], lr=0.05, max_trust_ratio=5.0, trust_all=trust_all)
     for grads in grads_per_step:
         for p, g in zip(params, grads, strict=True):
             p.grad = None if g is None else g.clone()
         opt.step()
-    want, want_ratios = _per_tensor_lamb(weights, grads_per_step, 0.05, wd, max_ratio=5.0)
+    want, want_ratios = _per_tensor_lamb(
+        weights, grads_per_step, 0.05, wd, max_ratio=5.0, trust_all=trust_all
+    )
     for i, (p, w) in enumerate(zip(params, want, strict=True)):
         assert torch.allclose(p.detach(), w, rtol=1e-5, atol=1e-6), i
     assert [float(opt.state[p]["trust_ratio"]) for p in params] == pytest.approx(want_ratios)
-    assert 5.0 in want_ratios  # the clamp was exercised
     assert [opt.state[p]["step"] for p in params] == [4, 3, 4, 4, 4]
-    assert opt.trust_ratio_stats()["max"] == pytest.approx(5.0)
+    if wd or trust_all:
+        assert 5.0 in want_ratios  # the cap was exercised
+        assert opt.trust_ratio_stats()["max"] == pytest.approx(5.0)
+    else:  # no decay: a plain Adam step, and no ratios to report
+        assert set(want_ratios) == {1.0} and opt.trust_ratio_stats() == {}
 
 
 def test_lamb_groups_by_dtype_and_casts_updates() -> None:
@@ -276,7 +349,7 @@ def _skip_unless_deepspeed_supports(precision: str) -> None:
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_lamb_under_deepspeed_stage0_keeps_per_layer_ratios(precision: str) -> None:
     """At ZeRO 0 DeepSpeed's mixed-precision wrapper keeps one fp32 master per parameter, so a
-    client LAMB computes true per-layer trust ratios (under ZeRO >= 1 the config refuses it)."""
+    client LAMB computes true per-layer trust ratios (ZeRO 1/2: test_lamb_zero.py)."""
     _skip_unless_deepspeed_supports(precision)
     import deepspeed
 
@@ -298,7 +371,8 @@ def test_lamb_under_deepspeed_stage0_keeps_per_layer_ratios(precision: str) -> N
             " learning_rate: 0.1, warmup: 0}]",
         ],
     )
-    opt = Lamb(param_groups(model, 0.01), lr=0.1, betas=(0.9, 0.999), eps=1e-6)
+    # every tensor takes a ratio, so that a flat buffer would show as one repeated ratio
+    opt = Lamb(param_groups(model, 0.01), lr=0.1, eps=1e-6, trust_all=True)
     config = ds_config(cfg, cfg.phases[0], 1)
     if precision == "fp16":
         config["fp16"]["initial_scale_power"] = 4
@@ -312,7 +386,7 @@ def test_lamb_under_deepspeed_stage0_keeps_per_layer_ratios(precision: str) -> N
     assert len(opt.state) == len(list(reference.parameters()))
     ratios = [float(s["trust_ratio"]) for s in opt.state.values()]
     assert len({round(r, 5) for r in ratios}) >= 4  # per tensor, not one for a flat buffer
-    ref_opt = Lamb(param_groups(reference, 0.01), lr=0.1, betas=(0.9, 0.999), eps=1e-6)
+    ref_opt = Lamb(param_groups(reference, 0.01), lr=0.1, eps=1e-6, trust_all=True)
     reference(x).square().sum().backward()
     ref_opt.step()
     tol = 1e-6 if precision == "fp32" else 3e-2

@@ -440,7 +440,7 @@ def test_cli_reads_the_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[st
     ("extra", "args", "key"),
     [
         ({}, ["--gpus-per-node", "3"], "phases[0].global_batch_size"),
-        ({"optimizer": {"name": "lamb"}, "zero": {"stage": 2}}, [], "optimizer.name"),
+        ({"optimizer": {"name": "lamb"}, "zero": {"stage": 3}}, [], "zero.stage"),
         ({}, ["phases=[{max_steps: 10, warmup: 20}]"], "phases[0].warmup"),
         ({}, ["model.hidden_size=100"], "model.hidden_size"),
     ],

@@ -1,0 +1,89 @@
+"""One rank of the LAMB-under-ZeRO check (started by torchrun from test_lamb_zero.py): a small
+model trained 20 LAMB steps through bertpipe's own engine set-up (build_engine), the global
+batch split over the ranks; rank 0 writes the final weights, losses and partition layout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from torch import nn
+
+from bertpipe.config import load_config
+from bertpipe.training.config import PretrainConfig
+from bertpipe.training.engine import build_engine, init_distributed
+from bertpipe.training.optim import zero_partitions
+
+GLOBAL_BATCH = 8
+
+
+class Net(nn.Module):
+    """Odd sizes, so that ZeRO's partition boundaries cut through tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(13, 37)
+        self.LayerNorm = nn.LayerNorm(37)
+        self.mid = nn.Linear(37, 29)
+        self.out = nn.Linear(29, 7)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(self.LayerNorm(self.emb(x)))))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    info = init_distributed()
+    micro = GLOBAL_BATCH // info.world_size
+    cfg = load_config(
+        PretrainConfig,
+        None,
+        [
+            f"precision={args.precision}",
+            f"zero.stage={args.stage}",
+            "optimizer.name=lamb",
+            "optimizer.weight_decay=0.01",
+            "optimizer.max_grad_norm=1.0",
+            f"phases=[{{name: p, max_steps: {args.steps}, micro_batch_size: {micro}, "
+            f"global_batch_size: {GLOBAL_BATCH}, learning_rate: 0.02, warmup: 0.2}}]",
+        ],
+    )
+    torch.manual_seed(0)
+    model = Net()
+    engine, _ = build_engine(model, cfg, cfg.phases[0], info.world_size)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
+    data = torch.Generator().manual_seed(1)
+    target = nn.Linear(13, 7)
+    losses = []
+    for _ in range(args.steps):
+        x = torch.randn(GLOBAL_BATCH, 13, generator=data)
+        y = target(x).detach()
+        mine = slice(info.rank * micro, (info.rank + 1) * micro)
+        loss = (engine(x[mine].to(dtype)).float() - y[mine]).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss))
+    layout = []
+    if args.stage in (1, 2):
+        layout = [[part.first, len(part.segments)] for _, part in zero_partitions(engine.optimizer)]
+    stats = engine.optimizer.optimizer if args.stage else engine.optimizer
+    ratios = getattr(stats, "trust_ratio_stats", dict)()
+    gathered = [None] * info.world_size
+    torch.distributed.all_gather_object(gathered, layout)
+    if info.rank == 0:
+        weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+        torch.save(weights, args.out)
+        with open(args.out + ".json", "w") as f:
+            json.dump({"losses": losses, "layout": gathered, "ratios": ratios}, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
