@@ -526,6 +526,11 @@ class Trainer:
         grad_norm = engine.get_global_grad_norm()
         if grad_norm is not None and math.isfinite(float(grad_norm)):
             metrics["grad_norm"] = float(grad_norm)
+        lamb = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        if hasattr(lamb, "trust_ratio_stats"):  # LAMB: one device read, at log steps only
+            # under ZeRO 1/2 of the tensors with a piece on this rank
+            for key, value in lamb.trust_ratio_stats().items():
+                metrics[f"trust_ratio_{key}"] = value
         scale = _loss_scale(engine)
         if self.cfg.precision == "fp16" and scale is not None:
             metrics["loss_scale"] = scale
