@@ -4,6 +4,7 @@ the user's folder changes nothing, and a non-editable wheel works from outside t
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -71,10 +72,16 @@ def test_bertpipe_modules_import_beside_a_decoy_on_sys_path(tmp_path: Path) -> N
 def test_wheel_installs_non_editable_and_runs_from_outside_the_checkout(tmp_path: Path) -> None:
     """Build the wheel, install it (no dependencies) into a fresh venv that borrows this
     environment's third-party packages, and run it from a folder that is not the checkout."""
+    # from a copy: setuptools leaves build/ and *.egg-info in the tree it builds
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "runs", ".cache", "build", "*.egg-info", ".gpu-wheels", "__pycache__",
+        ".pytest_cache", ".ruff_cache", ".mypy_cache",
+    ))  # fmt: skip
     dist = tmp_path / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--quiet", "-w", str(dist), str(ROOT)],
+         "--quiet", "-w", str(dist), str(src)],
         check=True, env=_env(PIP_DISABLE_PIP_VERSION_CHECK="1"), cwd=tmp_path,
     )  # fmt: skip
     wheels = list(dist.glob("bertpipe-*.whl"))
