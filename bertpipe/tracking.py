@@ -17,7 +17,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from bertpipe.config import ConfigError, flatten, to_dict, to_yaml
+from bertpipe.config import ConfigError, to_dict, to_yaml
+from bertpipe.errors import BertpipeError
 
 if TYPE_CHECKING:
     import mlflow
@@ -29,7 +30,10 @@ __all__ = [
     "TAG_DATA_CHECKSUM",
     "TAG_PARENT",
     "TAG_STAGE",
+    "RegistryError",
     "TrackingConfig",
+    "config_params",
+    "register_pytorch_model",
     "start_run",
 ]
 
@@ -38,6 +42,20 @@ TAG_PARENT = "bertpipe.parent_run_id"
 TAG_DATA_CHECKSUM = "bertpipe.data_manifest_sha256"
 STAGES = ("tokenizer", "preprocess", "pretrain", "finetune", "sweep")
 DEFAULT_URI = "sqlite:///runs/mlflow.db"
+MAX_PARAM_VALUE = 500
+"""Param values longer than this are cut (with ``...``): long values are unreadable in the UI
+and some stores reject them (MLflow's own limit is larger)."""
+MAX_PARAM_KEY = 250
+"""MLflow's limit on a param key's length."""
+
+
+class RegistryError(BertpipeError):
+    """The MLflow model registry could not take a model; ``key`` is the setting naming the
+    tracking URI (``tracking.uri``, ``--tracking-uri``)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}")
 
 
 @dataclasses.dataclass
@@ -159,12 +177,51 @@ def start_run(
 
 
 def log_config(config: Any, name: str = "config.yaml") -> None:
-    """Log a dataclass config as params (dotted keys) and as a YAML artifact."""
+    """Log a dataclass config as params (dotted keys, see :func:`config_params`) and as a
+    YAML artifact."""
     import mlflow
 
-    params = {k: _param_value(v) for k, v in flatten(to_dict(config)).items()}
-    mlflow.log_params(params)
+    mlflow.log_params(config_params(config))
     mlflow.log_text(to_yaml(config), name)
+
+
+def config_params(config: Any) -> dict[str, str]:
+    """A config as MLflow params: nested sections as dotted keys (``zero.stage``), lists of
+    sections with their index (``phases.0.learning_rate``, ``phases.1.max_steps``), other
+    lists and scalars as their text. Values are cut at :data:`MAX_PARAM_VALUE` characters;
+    keys longer than MLflow's limit are shortened with a digest (kept unique)."""
+    data = to_dict(config)
+    params: dict[str, str] = {}
+    for key, value in _flatten_params(data, "").items():
+        params[_param_key(key)] = _param_value(value)
+    return params
+
+
+def _flatten_params(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten_params(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if (
+        isinstance(value, list | tuple)
+        and value
+        and all(isinstance(item, Mapping) for item in value)
+    ):
+        out = {}
+        for i, item in enumerate(value):
+            out.update(_flatten_params(item, f"{prefix}.{i}" if prefix else str(i)))
+        return out
+    return {prefix: value}
+
+
+def _param_key(key: str) -> str:
+    if len(key) <= MAX_PARAM_KEY:
+        return key
+    import hashlib
+
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return f"{key[: MAX_PARAM_KEY - len(digest) - 1]}-{digest}"
 
 
 def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
@@ -184,4 +241,58 @@ def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
 
 def _param_value(value: Any) -> str:
     text = str(value)
-    return text if len(text) <= 500 else text[:497] + "..."
+    return text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 3] + "..."
+
+
+def pip_requirements() -> list[str]:
+    """What a registered bertpipe model needs to load: given explicitly, so that MLflow does
+    not infer the requirements (slow: it loads the model in a subprocess)."""
+    import torch
+
+    from bertpipe import __version__
+
+    return [f"torch=={torch.__version__.split('+')[0]}", f"bertpipe=={__version__}"]
+
+
+def register_pytorch_model(
+    model: Any,
+    registered_name: str,
+    *,
+    uri_key: str,
+    run_id: str | None = None,
+    artifact_name: str = "model",
+) -> int:
+    """Log ``model`` (a ``torch.nn.Module``) with MLflow's ``pytorch`` flavour and register it
+    as a new version of ``registered_name``; returns the version number.
+
+    The model is pickled (``serialization_format="pickle"``): it loads back as the same
+    bertpipe class with ``mlflow.pytorch.load_model("models:/NAME/VERSION")`` wherever
+    bertpipe is installed. It is linked to ``run_id`` (default: the active run). Any MLflow
+    failure becomes a one-line :class:`RegistryError` naming ``uri_key``, the setting that
+    holds the tracking URI.
+    """
+    import mlflow
+    import mlflow.pytorch
+
+    uri = mlflow.get_tracking_uri()
+    kwargs: dict[str, Any] = {"run_id": run_id} if run_id else {}
+    try:
+        info = mlflow.pytorch.log_model(
+            model,
+            name=artifact_name,
+            registered_model_name=registered_name,
+            pip_requirements=pip_requirements(),
+            serialization_format="pickle",
+            **kwargs,
+        )
+    except Exception as exc:  # MlflowException, connection and storage errors alike
+        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise RegistryError(
+            uri_key,
+            f"could not register model {registered_name!r} in the MLflow model registry at "
+            f"{uri}: {reason} (check that the tracking store is reachable and has a model "
+            f"registry, or point {uri_key} at one)",
+        ) from exc
+    version = int(info.registered_model_version)
+    log.info("registered %s version %d (%s)", registered_name, version, uri)
+    return version

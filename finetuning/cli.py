@@ -13,9 +13,26 @@ def add_finetune_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "finetune",
         help="fine-tune a pre-trained BERT on one task (GLUE, tables, SQuAD, CoNLL)",
-        description="Runs under the deepspeed launcher too (one process by default).",
+        description=(
+            "Fine-tunes a pre-trained BERT (init_from: a `bertpipe export` folder, any "
+            "transformers BERT folder or a pre-training checkpoint folder) on one task: GLUE, "
+            "a table (CSV/TSV/JSONL), SQuAD or CoNLL. Every epoch is evaluated; the best "
+            "epoch's model is kept. Runs under the deepspeed launcher too (one process by "
+            "default)."
+        ),
+        add_help=False,
     )
-    add_config_arguments(parser)
+    add_config_arguments(
+        parser,
+        "bertpipe.finetuning.config:FinetuneConfig",
+        example="learning_rate=2e-5 task.max_seq_length=384",
+        examples=[
+            "bertpipe finetune init_from=runs/bert-large/hf task.family=glue task.name=mrpc "
+            "task.train=glue/MRPC/train.tsv 'task.dev=[glue/MRPC/dev.tsv]' learning_rate=2e-5",
+            "bertpipe finetune init_from=runs/bert-large/hf task.family=squad task.name=squad2 "
+            "task.train=train-v2.0.json 'task.dev=[dev-v2.0.json]' task.max_seq_length=384",
+        ],
+    )
     parser.set_defaults(handler=_finetune)
 
 
@@ -32,6 +49,8 @@ def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
         "best_epoch": result.best_epoch,
         "main_metric": result.main_metric,
         "metrics": result.metrics,
+        "output": result.output,
+        "registered_model": result.registered_model,
     }
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0
@@ -41,8 +60,24 @@ def add_sweep_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "sweep",
         help="fine-tune over a hyper-parameter grid (the paper's by default), nested MLflow runs",
+        description=(
+            "Fine-tunes once per point of the grid in sweep.* (by default the BERT paper's: "
+            "learning rate 5e-5/4e-5/3e-5/2e-5 x batch 16/32 x epochs 2/3/4), each a nested "
+            "MLflow run under one parent run that records the best. Reads the finetune config."
+        ),
+        add_help=False,
     )
-    add_config_arguments(parser)
+    add_config_arguments(
+        parser,
+        "bertpipe.finetuning.config:FinetuneConfig",
+        example="'sweep.learning_rate=[5e-5,3e-5]' sweep.max_trials=4",
+        examples=[
+            "bertpipe sweep init_from=runs/bert-base/hf task.family=glue task.name=sst-2 "
+            "task.train=glue/SST-2/train.tsv 'task.dev=[glue/SST-2/dev.tsv]'",
+            "bertpipe sweep init_from=runs/bert-base/hf task.family=conll task.name=ner "
+            "task.train=train.txt 'task.dev=[dev.txt]' 'sweep.epochs=[3]' sweep.max_trials=4",
+        ],
+    )
     parser.set_defaults(handler=_sweep)
 
 
@@ -61,6 +96,9 @@ def _sweep(args: argparse.Namespace, passthrough: list[str]) -> int:
         "main_metric": result.best.main_metric,
         "best": result.best.metrics,
         "trials": len(result.trials),
+        "output": result.output,
+        "best_output": result.best.output,
+        "registered_model": result.best.registered_model,
     }
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0

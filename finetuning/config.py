@@ -73,9 +73,16 @@ class SweepSpec:
     learning_rate: list[float] = field(default_factory=lambda: [5e-5, 4e-5, 3e-5, 2e-5])
     """The BERT paper's grid."""
     batch_size: list[int] = field(default_factory=lambda: [16, 32])
+    """Values of ``batch_size`` to try."""
     epochs: list[int] = field(default_factory=lambda: [2, 3, 4])
+    """Values of ``epochs`` to try."""
     max_trials: int | None = None
     """Run only the first N trials of the grid (in grid order)."""
+    keep_models: Literal["best", "all"] = "best"
+    """``best``: only the best trial's model is kept (its ``best/`` folder, uploaded to its
+    MLflow run once the sweep ends); the other trials' model files are deleted as soon as a
+    better trial is known. ``all``: every trial keeps and uploads its model. Predictions,
+    metrics and params are kept for every trial either way."""
 
     def __post_init__(self) -> None:
         if not (self.learning_rate and self.batch_size and self.epochs):
@@ -86,8 +93,16 @@ class SweepSpec:
 class FinetuneConfig:
     """``bertpipe finetune``: one task, one output layer on top of a pre-trained BERT."""
 
-    output: str = "runs/finetune"
-    """Run folder: best model, predictions, resolved config."""
+    output: str | None = None
+    """Run folder: best model, predictions, resolved config. Null: a new folder
+    ``<output_root>/<task name>-<UTC time>`` (``sweep-<task name>-<UTC time>`` for sweeps)
+    per run. A given folder that already holds files is refused unless ``overwrite=true``."""
+    output_root: str = "runs/finetune"
+    """Where the run folders of runs without ``output`` are made."""
+    overwrite: bool = False
+    """Let ``output`` name a folder that holds a previous run: its ``best/``,
+    ``predictions/``, ``trial-*/`` and ``finetune.yaml`` are deleted first (other files are
+    left alone)."""
     init_from: str | None = None
     """Where the encoder comes from: a transformers BERT folder (``bertpipe export``'s or
     any HF BERT), or a bertpipe pre-training checkpoint folder (with ``latest``)."""
@@ -97,26 +112,36 @@ class FinetuneConfig:
     """Tokenizer folder; null: the one in ``init_from`` (exports carry theirs)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     learning_rate: float = 3e-5
+    """Peak learning rate of AdamW (linear warmup, then linear decay to zero)."""
     batch_size: int = 32
     """Sequences per optimizer step, all ranks together."""
     micro_batch_size: int | None = None
     """Sequences per rank per forward pass; null: batch_size / world size."""
     epochs: int = 3
+    """Passes over the training file; every epoch is evaluated."""
     warmup: float = 0.1
     """Fraction of the optimizer steps spent warming up."""
     weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
     max_grad_norm: float = 1.0
+    """Clip the global gradient norm (0 disables)."""
     hidden_dropout: float | None = None
     """Override the encoder's dropout; null keeps the checkpoint's."""
     classifier_dropout: float | None = None
     """Dropout before the task layer; null: the encoder's hidden dropout."""
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    """Training precision; fp16 uses a dynamic loss scale."""
     zero: ZeroConfig = field(default_factory=lambda: ZeroConfig(stage=0))
     seed: int = 42
     """Seeds the head's init, dropout and the data order: a run is reproducible."""
     eval_batch_size: int = 64
+    """Sequences per evaluation forward pass (every rank runs the whole dev set)."""
     save_model: bool = True
     """Save the best epoch's model (an HF folder) and log it to MLflow."""
+    register: str | None = None
+    """Register the best epoch's model under this name in MLflow's model registry (the
+    ``pytorch`` flavour: ``mlflow.pytorch.load_model("models:/NAME/VERSION")`` loads it back
+    where bertpipe is installed). A sweep registers its best trial's model only."""
     sweep: SweepSpec = field(default_factory=SweepSpec)
     """Used by ``bertpipe sweep`` only."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -133,6 +158,17 @@ class FinetuneConfig:
             raise ConfigError("batch_size", "batch_size, epochs and eval_batch_size must be >= 1")
         if not 0 <= self.warmup < 1:
             raise ConfigError("warmup", "is a fraction of the steps in [0, 1)")
+        if self.register is not None:
+            if not self.register.strip():
+                raise ConfigError("register", "give a model name, or leave it unset (null)")
+            if not self.save_model:
+                raise ConfigError(
+                    "register", "registers the best epoch's model: set save_model=true"
+                )
+            if not self.tracking.enabled:
+                raise ConfigError(
+                    "register", "needs MLflow: set tracking.enabled=true (and tracking.uri)"
+                )
 
     def micro_batch(self, world_size: int) -> int:
         micro = self.micro_batch_size or max(1, self.batch_size // world_size)

@@ -6,15 +6,22 @@ ends with an evaluation of every dev file; the best epoch by the task's main met
 as an HF folder (``<output>/best``) and its metrics are the run's final ones. Predictions are
 written for every evaluation. Runs are deterministic for a seed: head init, dropout and data
 order all come from it.
+
+Every run has its own folder (:func:`run_folder`): ``output`` if given, never silently
+replacing a previous run's files, else a new ``<output_root>/<task>-<UTC time>`` chosen on
+rank 0 and broadcast. Metrics are logged against the optimizer step (``epoch`` is a metric of
+its own). Fine-tuning does not resume: a stopped run is started again in a new folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -51,7 +58,21 @@ from bertpipe.training.optim import build_optimizer, warmup_decay
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FinetuneResult", "Initialisation", "load_initialisation", "run_finetuning"]
+__all__ = [
+    "FinetuneResult",
+    "Initialisation",
+    "load_initialisation",
+    "load_task_model",
+    "register_best",
+    "run_finetuning",
+    "run_folder",
+]
+
+TAG_SOURCE_RUN = "bertpipe.source_run_id"
+"""The pre-training run whose export (or checkpoint) a fine-tuning run starts from."""
+TAG_REGISTERED = "bertpipe.registered_model"
+RUN_OUTPUTS = ("best", "predictions", "finetune.yaml")
+"""What a fine-tuning run writes in its folder (a sweep: ``trial-*`` folders of these)."""
 
 
 @dataclass
@@ -62,6 +83,7 @@ class Initialisation:
     weights: dict[str, torch.Tensor]
     tokenizer_dir: str
     pretrain_run_id: str | None
+    """The pre-training MLflow run (``source_run_id`` of an export, or the checkpoint's)."""
     data_sha256: dict[str, str]
     head_labels: list[str] | None
     """Label names of a task head already in ``init_from`` (a fine-tuned model), if any."""
@@ -79,6 +101,10 @@ class FinetuneResult:
     greater_is_better: bool
     history: list[dict[str, float]] = field(default_factory=list)
     output: str = ""
+    best_step: int = 0
+    """Optimizer steps done when the best epoch ended (the metrics' step axis)."""
+    registered_model: str | None = None
+    """``NAME/VERSION`` in MLflow's model registry, when ``register`` was set."""
 
 
 def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
@@ -100,7 +126,7 @@ def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
             model_cfg,
             weights,
             cfg.tokenizer or str(source),
-            lineage.get("mlflow_run_id"),
+            lineage.get("source_run_id") or lineage.get("mlflow_run_id"),
             lineage.get("data_sha256", {}),
             labels,
         )
@@ -120,6 +146,87 @@ def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
         "init_from",
         f"{source} is neither an HF BERT folder (config.json) nor a checkpoint folder (latest)",
     )
+
+
+def load_task_model(folder: str | Path) -> BertTaskModel:
+    """The fine-tuned model saved in ``folder`` (a run's ``best/``) as its bertpipe task model,
+    in eval mode."""
+    from bertpipe.training.hf import load_hf_folder, load_into
+
+    hf_config = json.loads((Path(folder) / "config.json").read_text())
+    architecture = (hf_config.get("architectures") or [""])[0]
+    model_cfg, weights = load_hf_folder(folder)
+    num_labels = len(hf_config.get("id2label") or {}) or 1
+    model: BertTaskModel
+    if architecture == "BertForQuestionAnswering":
+        model = BertForQuestionAnswering(model_cfg)
+    elif architecture == "BertForTokenClassification":
+        model = BertForTokenClassification(model_cfg, num_labels)
+    elif architecture == "BertForSequenceClassification":
+        model = BertForSequenceClassification(model_cfg, num_labels)
+    else:
+        raise ValueError(f"{folder} holds a {architecture or 'non-task'} model, not a task model")
+    load_into(model, weights, strict_heads=True)
+    return model.eval()
+
+
+def run_folder(cfg: FinetuneConfig, info: DistInfo, prefix: str = "") -> str:
+    """The run's folder, the same on every rank: chosen (and made) by rank 0, broadcast.
+
+    ``cfg.output`` if given; a folder that already holds files is refused (a
+    :class:`ConfigError` on every rank) unless ``overwrite=true``, which deletes the previous
+    run's outputs (:data:`RUN_OUTPUTS`, ``trial-*``) first. Without ``output``: a new folder
+    ``<output_root>/<prefix><task name>-<UTC time>`` (``-2``, ``-3``... if taken).
+    """
+    decision: list[Any] = [None]
+    if info.is_main:
+        try:
+            decision[0] = ("ok", _choose_folder(cfg, prefix))
+        except ConfigError as exc:
+            decision[0] = ("error", exc.key, exc.message)
+    if info.world_size > 1:
+        dist.broadcast_object_list(decision, src=0)
+    kind, *rest = decision[0]
+    if kind == "error":
+        raise ConfigError(*rest)
+    return str(rest[0])
+
+
+def _choose_folder(cfg: FinetuneConfig, prefix: str) -> str:
+    if cfg.output:
+        folder = Path(cfg.output)
+        if folder.exists() and not folder.is_dir():
+            raise ConfigError("output", f"{folder} is a file: choose a folder for output=")
+        if folder.is_dir() and any(folder.iterdir()):
+            if not cfg.overwrite:
+                raise ConfigError(
+                    "output",
+                    f"{folder} already holds files (a previous run?): choose a new output= (or "
+                    "leave it unset for a new folder under output_root), or set overwrite=true "
+                    "to replace that run's outputs",
+                )
+            for path in sorted(folder.iterdir()):
+                if path.name not in RUN_OUTPUTS and not re.fullmatch(r"trial-\d+", path.name):
+                    continue
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            log.warning("overwrite=true: replacing the previous run's outputs in %s", folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        return str(folder)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", cfg.task.name).strip("-.") or "task"
+    base = f"{prefix}{name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    root = Path(cfg.output_root)
+    root.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        folder = root / (base if n == 1 else f"{base}-{n}")
+        try:
+            folder.mkdir()  # atomic: two runs started in the same second get two folders
+        except FileExistsError:
+            continue
+        return str(folder)
+    raise AssertionError("unreachable")
 
 
 def _build_head(data: TaskData, model_cfg: BertModelConfig, cfg: FinetuneConfig) -> BertTaskModel:
@@ -164,7 +271,9 @@ class Finetuner:
                 f"{labels}: start from the pre-trained (not fine-tuned) model, or give the "
                 "same labels",
             )
-        self.output = Path(cfg.output)
+        # every rank takes the folder rank 0 chose (a copy: the caller's config is unchanged)
+        self.cfg = cfg = dataclasses.replace(cfg, output=run_folder(cfg, info))
+        self.output = Path(str(cfg.output))
 
     def _model(self) -> BertTaskModel:
         torch.manual_seed(self.cfg.seed)  # the head's initialisation, identical on every rank
@@ -176,7 +285,11 @@ class Finetuner:
         torch.manual_seed(self.cfg.seed + 1000 * self.info.rank)  # dropout
         return model
 
-    def run(self, nested_in: str | None = None, run_name: str | None = None) -> FinetuneResult:
+    def run(
+        self, nested_in: str | None = None, run_name: str | None = None, upload_model: bool = True
+    ) -> FinetuneResult:
+        """Train, evaluate, keep the best epoch; ``upload_model=False`` keeps the best model's
+        folder but does not log it to MLflow (a sweep uploads its best trial's only)."""
         cfg, data = self.cfg, self.data
         tags = {
             "bertpipe.task": data.spec.name,
@@ -185,6 +298,8 @@ class Finetuner:
         }
         for phase, sha in self.init.data_sha256.items():
             tags[f"{tracking.TAG_DATA_CHECKSUM}.{phase}"] = sha
+        if self.init.pretrain_run_id:
+            tags[TAG_SOURCE_RUN] = self.init.pretrain_run_id
         if self.info.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
             (self.output / "finetune.yaml").write_text(to_yaml(cfg))
@@ -204,7 +319,7 @@ class Finetuner:
         with context as run:
             result = self._train(run.info.run_id if run is not None else None)
             if run is not None:
-                self._log_final(result)
+                self._log_final(result, upload_model)
         return result
 
     # ---------------------------------------------------------------- training
@@ -260,7 +375,7 @@ class Finetuner:
         main = data.spec.main_metric
         better = (lambda a, b: a > b) if data.spec.greater_is_better else (lambda a, b: a < b)
         best: dict[str, float] = {}
-        best_epoch = 0
+        best_epoch = best_step = 0
         history = []
         step = 0
         for epoch in range(1, cfg.epochs + 1):
@@ -284,7 +399,7 @@ class Finetuner:
             metrics = self._evaluate(engine, epoch)
             epoch_metrics = {"train/loss": train_loss, "epoch_seconds": time.monotonic() - started}
             epoch_metrics.update({f"eval/{k}": v for k, v in metrics.items()})
-            history.append({"epoch": epoch, **epoch_metrics})
+            history.append({"epoch": epoch, "step": step, **epoch_metrics})
             if info.is_main:
                 log.info(
                     "epoch %d/%d: train loss %.4f, %s",
@@ -294,10 +409,11 @@ class Finetuner:
                     ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if "/" not in k),
                 )
                 if run_id is not None:
-                    tracking.log_metrics(epoch_metrics, step=epoch)
+                    # the step axis is optimizer steps, as pre-training's; epoch is a metric
+                    tracking.log_metrics({**epoch_metrics, "epoch": epoch}, step=step)
             value = metrics.get(main, math.nan)
             if not best or (math.isfinite(value) and better(value, best.get(main, math.nan))):
-                best, best_epoch = metrics, epoch
+                best, best_epoch, best_step = metrics, epoch, step
                 if cfg.save_model:
                     self._save_best(engine)
             dist.barrier()
@@ -310,6 +426,7 @@ class Finetuner:
             data.spec.greater_is_better,
             history,
             str(self.output),
+            best_step,
         )
 
     @torch.no_grad()
@@ -366,11 +483,11 @@ class Finetuner:
             config["label2id"] = {label: i for i, label in enumerate(self.data.spec.labels)}
             (best / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    def _log_final(self, result: FinetuneResult) -> None:
+    def _log_final(self, result: FinetuneResult, upload_model: bool) -> None:
         import mlflow
 
         tracking.log_metrics({f"best/{k}": v for k, v in result.metrics.items()})
-        tracking.log_metrics({"best/epoch": result.best_epoch})
+        tracking.log_metrics({"best/epoch": result.best_epoch, "best/step": result.best_step})
         mlflow.log_dict(
             {
                 "task": self.data.spec.name,
@@ -384,14 +501,39 @@ class Finetuner:
         )
         if (self.output / "predictions").exists():
             mlflow.log_artifacts(str(self.output / "predictions"), "predictions")
-        if self.cfg.save_model and (self.output / "best").exists():
-            mlflow.log_artifacts(str(self.output / "best"), "model")
+        best = self.output / "best"
+        if self.cfg.save_model and upload_model and best.exists():
+            mlflow.log_artifacts(str(best), "model")
+        if self.cfg.register and best.exists():
+            result.registered_model = register_best(best, self.cfg.register)
+
+
+def register_best(folder: Path, name: str, run_id: str | None = None) -> str:
+    """Register the fine-tuned model in ``folder`` as a new version of ``name`` (linked to
+    ``run_id``, default the active run, which gets a ``bertpipe.registered_model`` tag);
+    returns ``NAME/VERSION``."""
+    import mlflow
+
+    version = tracking.register_pytorch_model(
+        load_task_model(folder), name, uri_key="tracking.uri", run_id=run_id
+    )
+    registered = f"{name}/{version}"
+    if run_id:
+        mlflow.MlflowClient().set_tag(run_id, TAG_REGISTERED, registered)
+    else:
+        mlflow.set_tag(TAG_REGISTERED, registered)
+    return registered
 
 
 def run_finetuning(
-    cfg: FinetuneConfig, nested_in: str | None = None, run_name: str | None = None
+    cfg: FinetuneConfig,
+    nested_in: str | None = None,
+    run_name: str | None = None,
+    upload_model: bool = True,
 ) -> FinetuneResult:
     """Join (or form) the distributed job and fine-tune; returns the best epoch's metrics."""
     info = init_distributed()
     cfg.micro_batch(info.world_size)
-    return Finetuner(cfg, info).run(nested_in=nested_in, run_name=run_name)
+    return Finetuner(cfg, info).run(
+        nested_in=nested_in, run_name=run_name, upload_model=upload_model
+    )

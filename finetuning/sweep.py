@@ -2,22 +2,43 @@
 
 The default grid is the BERT paper's (learning rate 5e-5, 4e-5, 3e-5, 2e-5; batch 16, 32;
 epochs 2, 3, 4). Every trial is a full :func:`~bertpipe.finetuning.loop.run_finetuning` with its own
-output folder and a child run; the parent records the grid, every trial's main metric and,
-at the end, the best trial (``best_run_id`` tag, ``best/*`` metrics).
+folder (``<sweep folder>/trial-NNN``) and a child run; the parent records the grid, every
+trial's main metric and, at the end, the best trial (``best_run_id`` tag, ``best/*`` metrics).
+
+Models: with ``sweep.keep_models=best`` (the default) only the best trial's model is kept.
+A trial's ``best/`` folder is deleted as soon as another trial beats it (or when it does not
+beat the best so far), and no trial uploads its model while the sweep runs; at the end the
+winner's folder is uploaded to its own run (artifact ``model``) and, with ``register=NAME``,
+registered. ``keep_models=all`` keeps and uploads every trial's model. Predictions, metrics
+and params of every trial are kept either way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import itertools
 import logging
 import math
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from bertpipe import fsio, tracking
 from bertpipe.finetuning.config import FinetuneConfig
-from bertpipe.finetuning.loop import FinetuneResult, load_initialisation, run_finetuning
+from bertpipe.finetuning.loop import (
+    TAG_REGISTERED,
+    FinetuneResult,
+    load_initialisation,
+    register_best,
+    run_finetuning,
+    run_folder,
+)
+from bertpipe.training.engine import init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +51,8 @@ class SweepResult:
     best: FinetuneResult
     best_params: dict[str, Any]
     trials: list[tuple[dict[str, Any], FinetuneResult]]
+    output: str = ""
+    """The sweep's folder (one ``trial-NNN`` folder per trial)."""
 
 
 def trials(cfg: FinetuneConfig) -> list[dict[str, Any]]:
@@ -42,20 +65,53 @@ def trials(cfg: FinetuneConfig) -> list[dict[str, Any]]:
     return points[: grid.max_trials] if grid.max_trials else points
 
 
+def _score(result: FinetuneResult) -> float | None:
+    value = result.metrics.get(result.main_metric, math.nan)
+    return value if math.isfinite(value) else None
+
+
+def _beats(new: FinetuneResult, old: FinetuneResult | None) -> bool:
+    """Whether ``new`` is strictly better than ``old`` (a tie keeps the earlier trial)."""
+    score = _score(new)
+    if score is None:
+        return False
+    if old is None or _score(old) is None:
+        return True
+    previous = _score(old)
+    assert previous is not None
+    return score > previous if new.greater_is_better else score < previous
+
+
+def _drop_model(result: FinetuneResult) -> None:
+    folder = Path(result.output) / "best"
+    if folder.exists():
+        shutil.rmtree(folder)
+        log.info("sweep: deleted the model of a losing trial (%s)", folder)
+
+
 def run_sweep(cfg: FinetuneConfig) -> SweepResult:
     """Run every trial; returns the best by the task's main metric (on the first dev file)."""
     cfg.check_runnable()
+    info = init_distributed()
     grid = trials(cfg)
     init = load_initialisation(cfg)
+    folder = run_folder(cfg, info, prefix="sweep-")
+    keep_all = cfg.sweep.keep_models == "all"
     results: list[tuple[dict[str, Any], FinetuneResult]] = []
-    with tracking.start_run(
-        cfg.tracking,
-        "sweep",
-        config=cfg,
-        run_name=cfg.tracking.run_name or f"sweep-{cfg.task.name}",
-        parent_run_id=init.pretrain_run_id,
-        tags={"bertpipe.task": cfg.task.name, "bertpipe.sweep_trials": str(len(grid))},
-    ) as parent:
+    best_index: int | None = None
+    context = (
+        tracking.start_run(
+            cfg.tracking,
+            "sweep",
+            config=dataclasses.replace(cfg, output=folder),
+            run_name=cfg.tracking.run_name or f"sweep-{cfg.task.name}",
+            parent_run_id=init.pretrain_run_id,
+            tags={"bertpipe.task": cfg.task.name, "bertpipe.sweep_trials": str(len(grid))},
+        )
+        if info.is_main
+        else contextlib.nullcontext()
+    )
+    with context as parent:
         parent_id = parent.info.run_id if parent is not None else None
         for i, point in enumerate(grid):
             trial = copy.deepcopy(cfg)
@@ -63,25 +119,44 @@ def run_sweep(cfg: FinetuneConfig) -> SweepResult:
             trial.batch_size = point["batch_size"]
             trial.epochs = point["epochs"]
             trial.micro_batch_size = None
-            trial.output = fsio.join(cfg.output, f"trial-{i:03d}")
+            trial.output = fsio.join(folder, f"trial-{i:03d}")
+            trial.register = None  # the sweep registers its best trial's model only
             name = f"lr{point['learning_rate']:g}-bs{point['batch_size']}-ep{point['epochs']}"
             log.info("sweep trial %d/%d: %s", i + 1, len(grid), name)
-            result = run_finetuning(trial, nested_in=parent_id, run_name=name)
+            result = run_finetuning(
+                trial, nested_in=parent_id, run_name=name, upload_model=keep_all
+            )
+            if info.world_size > 1:  # rank 0 scored it; every rank picks the same best
+                shared = [result.metrics]
+                dist.broadcast_object_list(shared, src=0)
+                result.metrics = shared[0]
             results.append((point, result))
-        main, greater = results[0][1].main_metric, results[0][1].greater_is_better
-        scored = [(p, r) for p, r in results if math.isfinite(r.metrics.get(main, math.nan))]
-        if not scored:
+            best = results[best_index][1] if best_index is not None else None
+            loser: FinetuneResult | None = result
+            if _beats(result, best):
+                best_index, loser = i, best
+            if loser is not None and not keep_all and info.is_main:
+                _drop_model(loser)
+        main = results[0][1].main_metric
+        if best_index is None:
             raise RuntimeError(f"no trial produced {main}")
-        point, best = (max if greater else min)(scored, key=lambda pr: pr[1].metrics[main])
+        point, best = results[best_index]
+        best_model = Path(best.output) / "best"
         if parent is not None:
             import mlflow
 
             for i, (_, r) in enumerate(results):
                 tracking.log_metrics({f"trial/{main}": r.metrics.get(main, math.nan)}, step=i)
             tracking.log_metrics({f"best/{k}": v for k, v in best.metrics.items()})
-            mlflow.set_tags(
-                {"bertpipe.best_run_id": best.run_id or "", "bertpipe.main_metric": main}
-            )
+            tags = {"bertpipe.best_run_id": best.run_id or "", "bertpipe.main_metric": main}
+            if best_model.exists():
+                tags["bertpipe.best_model_path"] = str(best_model.resolve())
+                if not keep_all and best.run_id:
+                    mlflow.MlflowClient().log_artifacts(best.run_id, str(best_model), "model")
+                if cfg.register:
+                    best.registered_model = register_best(best_model, cfg.register, best.run_id)
+                    tags[TAG_REGISTERED] = best.registered_model
+            mlflow.set_tags(tags)
             mlflow.log_params({f"best.{k}": v for k, v in point.items()})
         log.info("sweep best: %s with %s = %.4f", point, main, best.metrics[main])
-    return SweepResult(parent_id, best, point, results)
+    return SweepResult(parent_id, best, point, results, folder)

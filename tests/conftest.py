@@ -7,6 +7,7 @@ cached in the project, tokenizers without fork warnings, MLflow never at a defau
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -92,3 +93,64 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) ->
 def mlflow_uri(tmp_path: Path) -> str:
     """A sqlite MLflow store private to the test."""
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a server the test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[str]:
+    """A real ``mlflow server`` (sqlite backend with model registry, artifacts served from
+    ``<tmp_path>/server-artifacts``) on a free local port; yields its http:// URI and stops
+    it afterwards."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{tmp_path / 'server.db'}",
+            "--artifacts-destination",
+            str(tmp_path / "server-artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()

@@ -1,10 +1,10 @@
 """``bertpipe pretrain`` and ``bertpipe export`` (parsers and handlers; work is elsewhere).
 
-``bertpipe pretrain`` is what the ``deepspeed`` launcher runs on every rank::
+``bertpipe pretrain`` is what the ``deepspeed`` launcher runs on every rank, e.g. with the
+shipped BERT-Large recipe (``configs/pretrain-bert-large-lamb.yaml``, ``bert-large-lamb``)::
 
-    bertpipe plan --config configs/pretrain-bert-large.yaml --nodes 4 --gpus-per-node 8
-    deepspeed --hostfile hostfile $(which bertpipe) pretrain \
-        --config configs/pretrain-bert-large.yaml
+    bertpipe plan --config bert-large-lamb --nodes 4 --gpus-per-node 8 --gpu h100
+    deepspeed --hostfile hostfile $(which bertpipe) pretrain --config bert-large-lamb
 
 (``bertpipe plan`` checks the config for that world size without starting anything.) The
 launcher's ``--local_rank`` argument is accepted and ignored: the rank comes from the
@@ -19,15 +19,41 @@ import sys
 
 from bertpipe.cli import add_config_arguments, config_from_args
 
+PRETRAIN_DESCRIPTION = """\
+Pre-trains BERT with DeepSpeed from one config: the model, one or two phases (data, batch,
+steps, learning-rate schedule), optimizer, ZeRO stage, precision, checkpoints and MLflow
+tracking. --config takes a YAML file or a shipped recipe (`bertpipe configs list`:
+bert-base-adamw, bert-large-lamb, demo); KEY=VALUE overrides follow.
+
+One process runs it directly. For several GPUs or nodes, run it under the deepspeed launcher,
+which starts it on every rank; check the config for that world size first (batch arithmetic,
+memory, time), which starts nothing:
+
+    bertpipe plan --config bert-large-lamb --nodes 4 --gpus-per-node 8 --gpu h100
+    deepspeed --hostfile hostfile $(which bertpipe) pretrain --config bert-large-lamb
+
+A run resumes from its latest checkpoint by default (checkpoint.resume=auto)."""
+
 
 def add_pretrain_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "pretrain",
         help="pre-train BERT with DeepSpeed (run it under the deepspeed launcher for >1 process)",
-        description=__doc__,
+        description=PRETRAIN_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
     )
-    add_config_arguments(parser)
+    add_config_arguments(
+        parser,
+        "bertpipe.training.config:PretrainConfig",
+        example="zero.stage=2 'phases[0].max_steps=500'",
+        examples=[
+            "bertpipe pretrain --config demo output=runs/try1  # one process, no launcher",
+            "bertpipe pretrain --config bert-base-adamw zero.stage=2 "
+            "'phases[0].micro_batch_size=16'",
+            "bertpipe pretrain --config bert-large-lamb checkpoint.resume=global_step1000",
+        ],
+    )
     parser.set_defaults(handler=_pretrain)
 
 
@@ -71,12 +97,37 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("out", help="folder to write")
     parser.add_argument("--tag", help="checkpoint tag (default: latest)")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the data's)")
+    parser.add_argument(
+        "--register",
+        metavar="NAME",
+        help="also register the model (BertForPreTraining, MLflow's pytorch flavour) as a new "
+        "version of NAME in the MLflow model registry, linked to the pre-training run",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        metavar="URI",
+        help="MLflow tracking URI of the pre-training run, where the export is recorded "
+        "(default: the checkpoint config's tracking.uri, else $MLFLOW_TRACKING_URI)",
+    )
+    parser.add_argument(
+        "--no-tracking",
+        action="store_true",
+        help="do not record the export in the pre-training's MLflow run",
+    )
     parser.set_defaults(handler=_export)
 
 
 def _export(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.training.export import export_checkpoint
 
-    info = export_checkpoint(args.checkpoint_dir, args.out, tag=args.tag, tokenizer=args.tokenizer)
+    info = export_checkpoint(
+        args.checkpoint_dir,
+        args.out,
+        tag=args.tag,
+        tokenizer=args.tokenizer,
+        tracking_uri=args.tracking_uri,
+        register=args.register,
+        track=not args.no_tracking,
+    )
     sys.stdout.write(json.dumps(info) + "\n")
     return 0

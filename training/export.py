@@ -9,18 +9,26 @@ bertpipe's own pre-training and fine-tuning.
 Weights come from the fp32 master copies where DeepSpeed keeps them (ZeRO 1-3:
 ``deepspeed.utils.zero_to_fp32``), else from the module weights of the model-states file
 (ZeRO 0), cast to fp32.
+
+Lineage: ``bertpipe_export.json`` records the checkpoint and ``source_run_id``, the MLflow run
+of the pre-training (which the checkpoint's ``bertpipe_state.json`` holds as
+``mlflow_run_id``); fine-tuning from the export tags its run with it. When the pre-training
+was tracked, the export is recorded in that run (tag ``bertpipe.export.path``, artifact
+``exports/<tag>/bertpipe_export.json``) and, with ``register``, the model (``BertForPreTraining``,
+MLflow's ``pytorch`` flavour) is registered in the model registry.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bertpipe import fsio
+from bertpipe import fsio, tracking
 from bertpipe.errors import BertpipeError
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.model import BertForPreTraining, BertModelConfig
@@ -88,10 +96,28 @@ def tokenizer_folder(state: ckpt.CheckpointState, tokenizer: str | None) -> str:
     return str(manifest["config"]["tokenizer"])
 
 
+EXPORT_INFO = "bertpipe_export.json"
+TAG_EXPORT_PATH = "bertpipe.export.path"
+
+
 def export_checkpoint(
-    folder: str, out: str, *, tag: str | None = None, tokenizer: str | None = None
+    folder: str,
+    out: str,
+    *,
+    tag: str | None = None,
+    tokenizer: str | None = None,
+    tracking_uri: str | None = None,
+    register: str | None = None,
+    track: bool = True,
+    uri_key: str = "--tracking-uri",
 ) -> dict[str, Any]:
-    """Write checkpoint ``tag`` of ``folder`` as an HF folder ``out`` with its tokenizer."""
+    """Write checkpoint ``tag`` of ``folder`` as an HF folder ``out`` with its tokenizer.
+
+    With ``track``, the export is recorded in the pre-training's MLflow run, at
+    ``tracking_uri`` or else the tracking URI of the checkpoint's config (a warning, not an
+    error, if that store or run cannot be reached). ``register``: also register the model
+    under this name in the MLflow model registry (any MLflow failure is then an error naming
+    ``uri_key``)."""
     from bertpipe.preprocessing.tokenizer import load_tokenizer, tokenizer_checksum
     from bertpipe.training.hf import save_hf_folder
 
@@ -110,15 +136,100 @@ def export_checkpoint(
             with fsio.open_url(url, "rb") as f:
                 extra[name] = f.read()
     save_hf_folder(model, out, extra_files=extra)
-    info = {
-        "checkpoint": f"{folder}/{tag or ckpt.latest_tag(folder)}",
+    tag = tag or ckpt.latest_tag(folder)
+    info: dict[str, Any] = {
+        "checkpoint": f"{folder}/{tag}",
         "global_step": state.global_step,
         "phase": state.phase,
         "tokenizer": source,
         "tokenizer_sha256": tokenizer_checksum(tok),
-        "mlflow_run_id": state.mlflow_run_id,
+        "source_run_id": state.mlflow_run_id,
+        "mlflow_run_id": state.mlflow_run_id,  # the older name of source_run_id
         "data_sha256": state.data_sha256,
     }
-    (Path(out) / "bertpipe_export.json").write_text(json.dumps(info, indent=2) + "\n")
+    info_path = Path(out) / EXPORT_INFO
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
     log.info("exported %s to %s", info["checkpoint"], out)
+    if track or register:
+        recorded = _record_in_mlflow(
+            model, state, out, str(tag), tracking_uri, register, uri_key, info_path
+        )
+        if recorded:
+            info.update(recorded)
+            info_path.write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def _tracking_uri(state: ckpt.CheckpointState, tracking_uri: str | None) -> str | None:
+    """``tracking_uri``, else the pre-training config's (None if it was not tracked)."""
+    settings = dict(state.config.get("tracking") or {})
+    if tracking_uri:
+        settings["uri"] = tracking_uri
+    elif not settings.get("enabled", True):
+        return None
+    known = {k: v for k, v in settings.items() if k in ("uri", "experiment", "enabled")}
+    return tracking.TrackingConfig(**known).resolved_uri()
+
+
+def _record_in_mlflow(
+    model: BertForPreTraining,
+    state: ckpt.CheckpointState,
+    out: str,
+    tag: str,
+    tracking_uri: str | None,
+    register: str | None,
+    uri_key: str,
+    info_path: Path,
+) -> dict[str, Any]:
+    """Tag the pre-training run with the export (and log its info file there); register the
+    model if asked. Returns what to add to the export's info."""
+    run_id = state.mlflow_run_id
+    uri = _tracking_uri(state, tracking_uri)
+    if uri is None or (run_id is None and not register):
+        if register:
+            raise tracking.RegistryError(
+                uri_key, "the pre-training was not tracked in MLflow: pass the tracking URI"
+            )
+        return {}
+    import mlflow
+
+    problem = None
+    experiment_id = None
+    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite://") :]):
+        problem = "no such database"
+    else:
+        try:
+            mlflow.set_tracking_uri(uri)
+            if run_id is not None:
+                experiment_id = mlflow.MlflowClient().get_run(run_id).info.experiment_id
+            else:
+                experiment = (state.config.get("tracking") or {}).get("experiment", "bertpipe")
+                experiment_id = tracking.connect(
+                    tracking.TrackingConfig(uri=uri, experiment=experiment)
+                )
+        except Exception as exc:  # unreachable server, unknown run, broken store
+            problem = " ".join(str(exc).split())[:300] or type(exc).__name__
+    if problem is not None:
+        message = f"cannot record the export in MLflow run {run_id} at {uri}: {problem}"
+        if register:
+            raise tracking.RegistryError(uri_key, f"{message} (pass the right tracking URI)")
+        log.warning("%s; the export is not recorded there (pass %s)", message, uri_key)
+        return {}
+    added: dict[str, Any] = {"tracking_uri": uri}
+    if register:
+        mlflow.set_experiment(experiment_id=experiment_id)
+        version = tracking.register_pytorch_model(
+            model, register, uri_key=uri_key, run_id=run_id, artifact_name="pretrained-model"
+        )
+        added["registered_model"] = f"{register}/{version}"
+    if run_id is not None:
+        client = mlflow.MlflowClient()
+        client.set_tag(run_id, TAG_EXPORT_PATH, str(Path(out).resolve()))
+        if register:
+            client.set_tag(run_id, "bertpipe.registered_model", added["registered_model"])
+            info = json.loads(info_path.read_text())
+            info.update(added)
+            info_path.write_text(json.dumps(info, indent=2) + "\n")
+        client.log_artifact(run_id, str(info_path), f"exports/{tag}")
+        log.info("recorded the export in MLflow run %s (%s)", run_id, uri)
+    return added

@@ -6,9 +6,11 @@ ids fails these tests.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -56,3 +58,28 @@ def write(tmp_path: Path):
         return str(path)
 
     return _write
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny BERT exported like `bertpipe export` does, with its tokenizer and lineage."""
+    from bertpipe.preprocessing.tokenizer import build_from_vocab, save_tokenizer
+    from bertpipe.training.hf import save_hf_folder
+    from bertpipe.training.model import BertForPreTraining, BertModelConfig
+
+    folder = tmp_path_factory.mktemp("bert")
+    tokenizer = build_from_vocab(list(dict.fromkeys(VOCAB)))
+    save_tokenizer(tokenizer, str(folder), lowercase=True)
+    torch.manual_seed(0)
+    cfg = BertModelConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        max_position_embeddings=128,
+    )
+    extra = {n: (folder / n).read_bytes() for n in ("vocab.txt", "tokenizer.json")}
+    save_hf_folder(BertForPreTraining(cfg), folder, extra_files=extra)
+    lineage = {"mlflow_run_id": "pretrain-run-123", "data_sha256": {"phase1": "abc"}}
+    (folder / "bertpipe_export.json").write_text(json.dumps(lineage))
+    return folder

@@ -4,50 +4,18 @@ random vs pre-trained starts, sweeps as nested runs, a real `mlflow server` over
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 from bertpipe.config import ConfigError, load_config
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.loop import run_finetuning
-from tests.finetuning.conftest import VOCAB
 
 pytestmark = pytest.mark.integration
 
 POSITIVE = ["the movie was great", "a great film", "good movie", "great great film", "good"]
 NEGATIVE = ["the movie was terrible", "a bad film", "terrible movie", "bad bad film", "bad"]
-
-
-@pytest.fixture(scope="module")
-def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny BERT exported like `bertpipe export` does, with its tokenizer and lineage."""
-    from bertpipe.preprocessing.tokenizer import build_from_vocab, save_tokenizer
-    from bertpipe.training.hf import save_hf_folder
-    from bertpipe.training.model import BertForPreTraining, BertModelConfig
-
-    folder = tmp_path_factory.mktemp("bert")
-    tokenizer = build_from_vocab(list(dict.fromkeys(VOCAB)))
-    save_tokenizer(tokenizer, str(folder), lowercase=True)
-    torch.manual_seed(0)
-    cfg = BertModelConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=32,
-        num_layers=2,
-        num_heads=2,
-        max_position_embeddings=128,
-    )
-    extra = {n: (folder / n).read_bytes() for n in ("vocab.txt", "tokenizer.json")}
-    save_hf_folder(BertForPreTraining(cfg), folder, extra_files=extra)
-    lineage = {"mlflow_run_id": "pretrain-run-123", "data_sha256": {"phase1": "abc"}}
-    (folder / "bertpipe_export.json").write_text(json.dumps(lineage))
-    return folder
 
 
 def _glue_files(tmp_path: Path) -> tuple[Path, Path]:
@@ -199,8 +167,16 @@ def test_each_family_trains_scores_and_logs(pretrained: Path, tmp_path: Path, fa
     assert run.data.tags["bertpipe.data_manifest_sha256.phase1"] == "abc"
     assert run.data.tags["bertpipe.init"] == "pretrained"
     assert f"best/{result.main_metric}" in run.data.metrics
+    # the step axis is optimizer steps; the epoch is a metric of its own
+    steps = [h["step"] for h in result.history]
+    assert steps == [steps[0] * e for e in (1, 2, 3, 4)] and steps[0] >= 1
     history = client.get_metric_history(result.run_id, "train/loss")
-    assert [m.step for m in sorted(history, key=lambda m: m.step)] == [1, 2, 3, 4]
+    assert sorted(m.step for m in history) == steps
+    epochs = client.get_metric_history(result.run_id, "epoch")
+    want = [(step, float(epoch)) for epoch, step in enumerate(steps, 1)]
+    assert sorted((m.step, m.value) for m in epochs) == want
+    assert run.data.metrics["best/step"] == result.best_step == steps[result.best_epoch - 1]
+    assert run.data.tags["bertpipe.source_run_id"] == "pretrain-run-123"
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
     assert {"model", "predictions", "finetune_summary.json"} <= artifacts
     if family == "glue":  # the malformed dev row is reported, not silently dropped
@@ -275,56 +251,17 @@ def test_config_errors(pretrained: Path, tmp_path: Path) -> None:
     assert info.value.key == "task.labels"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
-def test_logs_to_a_real_mlflow_server_over_http(pretrained: Path, tmp_path: Path) -> None:
+def test_logs_to_a_real_mlflow_server_over_http(
+    pretrained: Path, tmp_path: Path, mlflow_server: str
+) -> None:
     import mlflow
 
-    port = _free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'server.db'}",
-            "--artifacts-destination",
-            str(tmp_path / "server-artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise
-                time.sleep(0.5)
-        uri = f"http://127.0.0.1:{port}"
-        result = run_finetuning(_cfg(pretrained, tmp_path, uri, "glue", "epochs=2"))
-        client = mlflow.MlflowClient(tracking_uri=uri)
-        run = client.get_run(result.run_id)
-        assert run.info.status == "FINISHED"
-        assert run.data.metrics["best/accuracy"] == result.metrics["accuracy"]
-        assert "model" in {a.path for a in client.list_artifacts(result.run_id)}
-        assert list((tmp_path / "server-artifacts").rglob("config.json"))  # stored by the server
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    uri = mlflow_server
+    result = run_finetuning(_cfg(pretrained, tmp_path, uri, "glue", "epochs=2"))
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["best/accuracy"] == result.metrics["accuracy"]
+    assert "model" in {a.path for a in client.list_artifacts(result.run_id)}
+    assert list((tmp_path / "server-artifacts").rglob("config.json"))  # stored by the server

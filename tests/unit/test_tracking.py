@@ -1,0 +1,84 @@
+"""How configs become MLflow params: dotted keys, one key per phase field, MLflow's limits;
+checked in a real (sqlite) MLflow store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from bertpipe import tracking
+from bertpipe.config import load_config
+from bertpipe.training.config import PretrainConfig
+
+
+@dataclass
+class Item:
+    name: str = "a"
+    rate: float = 0.5
+
+
+@dataclass
+class Odd:
+    items: list[Item] = field(default_factory=lambda: [Item("x", 1.0), Item("y", 2.0)])
+    sizes: list[int] = field(default_factory=lambda: [1, 2, 3])
+    empty: list[Item] = field(default_factory=list)
+    text: str = "z" * 600
+    nested: dict[str, dict[str, str]] = field(
+        default_factory=lambda: {"k" * 240: {"deep" + "x" * 20: "v", "deep" + "y" * 20: "w"}}
+    )
+
+
+def test_lists_of_sections_get_index_keys_and_limits_hold() -> None:
+    params = tracking.config_params(Odd())
+    assert params["items.0.name"] == "x" and params["items.1.rate"] == "2.0"
+    assert "items" not in params
+    assert params["sizes"] == "[1, 2, 3]" and params["empty"] == "[]"  # other lists as text
+    assert len(params["text"]) == tracking.MAX_PARAM_VALUE and params["text"].endswith("...")
+    long_keys = [k for k in params if k.startswith("nested.")]
+    assert len(long_keys) == 2  # shortened, and still distinct
+    assert all(len(k) <= tracking.MAX_PARAM_KEY for k in long_keys)
+
+
+def test_pretrain_phases_are_logged_flat_to_a_real_store(tmp_path: Path) -> None:
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(
+        PretrainConfig,
+        "pretrain-demo",
+        [f"tracking.uri={uri}", "tracking.experiment=params", f"output={tmp_path / 'out'}"],
+    )
+    with tracking.start_run(cfg.tracking, "pretrain", config=cfg) as run:
+        assert run is not None
+        run_id = run.info.run_id
+    params = mlflow.MlflowClient(tracking_uri=uri).get_run(run_id).data.params
+    assert "phases" not in params
+    assert params["phases.0.learning_rate"] == str(cfg.phases[0].learning_rate)
+    assert params["phases.1.max_steps"] == str(cfg.phases[1].max_steps)
+    assert params["phases.1.name"] == cfg.phases[1].name
+    assert params["zero.stage"] == str(cfg.zero.stage)  # nested sections as before
+    assert params == tracking.config_params(cfg)  # every param made it (over 100: batched)
+
+
+def test_a_registry_failure_is_one_line_naming_the_uri_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import mlflow
+    from torch import nn
+
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    try:
+        with pytest.raises(tracking.RegistryError) as info:
+            tracking.register_pytorch_model(nn.Linear(2, 2), "m", uri_key="tracking.uri")
+    finally:
+        mlflow.set_tracking_uri(previous)
+    message = str(info.value)
+    assert message.startswith("tracking.uri: ") and "\n" not in message
+    assert "127.0.0.1" in message and "'m'" in message
