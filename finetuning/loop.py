@@ -52,6 +52,7 @@ from bertpipe.finetuning.heads import (
 from bertpipe.seeding import rng_for
 from bertpipe.training.config import OptimizerConfig
 from bertpipe.training.engine import DistInfo, deepspeed_config, init_distributed
+from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.export import TOKENIZER_FILES
 from bertpipe.training.model import BertModelConfig
 from bertpipe.training.optim import build_optimizer, warmup_decay
@@ -532,6 +533,8 @@ def run_finetuning(
     upload_model: bool = True,
 ) -> FinetuneResult:
     """Join (or form) the distributed job and fine-tune; returns the best epoch's metrics."""
+    # before the process group: a device that cannot run the precision is one line per rank
+    check_hardware(local_hardware(), precision=cfg.precision)
     info = init_distributed()
     cfg.micro_batch(info.world_size)
     return Finetuner(cfg, info).run(

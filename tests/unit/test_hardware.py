@@ -57,6 +57,10 @@ def test_local_cpu_reports_what_deepspeed_will_say(monkeypatch):
     assert hw.fp16 == bool(CPU_Accelerator().is_fp16_supported())
 
 
+def _not_reached():
+    raise AssertionError("the process group was started before the hardware check")
+
+
 def _simulate_cpu_without_fp16(monkeypatch):
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     monkeypatch.setattr(hardware, "cpu_fp16_supported", lambda: False)
@@ -66,15 +70,14 @@ def test_pretrain_refuses_fp16_before_the_process_group(monkeypatch, capsys, tmp
     """On a CPU without fp16 (simulated where the CPU has it) ``pretrain`` ends in one line
     naming the key, before any process group, DeepSpeed engine or output exists."""
     _simulate_cpu_without_fp16(monkeypatch)
-    import torch.distributed as dist
-
+    monkeypatch.setattr("bertpipe.training.trainer.init_distributed", _not_reached)
     out = tmp_path / "run"
     code = main(["pretrain", "--config", "demo", f"output={out}", "precision=fp16"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("bertpipe: error: config key 'precision'")
     assert "use precision=bf16" in err[0]
-    assert not dist.is_initialized() and not out.exists()
+    assert not out.exists()
 
 
 def test_plan_checks_against_the_named_gpu(monkeypatch, capsys):
@@ -91,3 +94,18 @@ def test_plan_checks_a_cpu_run_against_this_cpu(monkeypatch, capsys):
     _simulate_cpu_without_fp16(monkeypatch)
     assert main(["plan", "--config", "demo", "precision=fp16"]) == 2
     assert "use precision=bf16" in capsys.readouterr().err
+
+
+def test_finetune_refuses_fp16_before_the_process_group(monkeypatch, tmp_path):
+    _simulate_cpu_without_fp16(monkeypatch)
+    monkeypatch.setattr("bertpipe.finetuning.loop.init_distributed", _not_reached)
+    from bertpipe.config import load_config
+    from bertpipe.finetuning.config import FinetuneConfig
+    from bertpipe.finetuning.loop import run_finetuning
+
+    cfg = load_config(
+        FinetuneConfig, None, [f"output={tmp_path / 'ft'}", "precision=fp16", "init_from=null"]
+    )
+    with pytest.raises(ConfigError, match="'precision'.*use precision=bf16"):
+        run_finetuning(cfg)
+    assert not (tmp_path / "ft").exists()
