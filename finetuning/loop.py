@@ -52,8 +52,8 @@ from bertpipe.finetuning.heads import (
 from bertpipe.seeding import rng_for
 from bertpipe.training.config import OptimizerConfig
 from bertpipe.training.engine import DistInfo, deepspeed_config, init_distributed
-from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.export import TOKENIZER_FILES
+from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.model import BertModelConfig
 from bertpipe.training.optim import build_optimizer, warmup_decay
 

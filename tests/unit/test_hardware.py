@@ -106,6 +106,6 @@ def test_finetune_refuses_fp16_before_the_process_group(monkeypatch, tmp_path):
     cfg = load_config(
         FinetuneConfig, None, [f"output={tmp_path / 'ft'}", "precision=fp16", "init_from=null"]
     )
-    with pytest.raises(ConfigError, match="'precision'.*use precision=bf16"):
+    with pytest.raises(ConfigError, match=r"'precision'.*use precision=bf16"):
         run_finetuning(cfg)
     assert not (tmp_path / "ft").exists()
