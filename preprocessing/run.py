@@ -46,6 +46,10 @@ class OutputExistsError(BertpipeError, FileExistsError):
     """The output already holds results and ``overwrite`` is not set."""
 
 
+class NoTrainingDataError(BertpipeError):
+    """The inputs gave a phase no training instance (every file or document was skipped)."""
+
+
 # --------------------------------------------------------------------------- tokenizer
 
 
@@ -77,6 +81,7 @@ def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
             min_frequency=cfg.min_frequency,
             limit_alphabet=cfg.limit_alphabet,
             special_tokens=cfg.special_tokens,
+            counts=counts,
         )
     save_tokenizer(tokenizer, cfg.output, lowercase=cfg.lowercase)
     summary = {
@@ -239,6 +244,7 @@ def run_preprocess(
     result.wait_until_finish()
     seconds = time.monotonic() - started
     manifests = {}
+    empty = []
     for phase in cfg.phases:
         url = manifest_url(cfg.output, phase.name)
         if not fsio.exists(url):
@@ -248,12 +254,38 @@ def run_preprocess(
         manifest = json.loads(raw)
         manifest["_sha256"] = hashlib.sha256(raw).hexdigest()
         manifests[phase.name] = manifest
-        _remove_stale(cfg, phase.name, manifest)
+        if manifest["splits"]["train"]["instances"] == 0:
+            empty.append(phase.name)  # nothing of an earlier run is removed for it
+        else:
+            _remove_stale(cfg, phase.name, manifest)
     fsio.remove((parts_folder(cfg.output, p.name) for p in cfg.phases), recursive=True)
     for manifest in manifests.values():
         _log_summary(manifest)
+    if empty:
+        raise NoTrainingDataError(_no_training_data(cfg, files, manifests, empty))
     _log_to_mlflow(cfg, plan, manifests, seconds)
     return manifests
+
+
+def _no_training_data(
+    cfg: PreprocessConfig, files: Sequence[str], manifests: dict[str, Any], empty: list[str]
+) -> str:
+    """One line: which phases got nothing, from which inputs, what was skipped, what to do."""
+    corpus = manifests[empty[0]]["stats"]["corpus"]
+    skipped = ", ".join(
+        f"{k}={v}"
+        for k, v in sorted(corpus.items())
+        if v and ("skipped" in k or "too" in k or "failed" in k or "malformed" in k or "empty" in k)
+    )
+    return (
+        f"no training instance for phase(s) {', '.join(empty)} from {len(files)} input file(s) "
+        f"matching input.paths={list(cfg.input.paths)}: {corpus.get('files_read', 0)} file(s) "
+        f"read, {corpus.get('documents_kept', 0)} of {corpus.get('documents_read', 0)} "
+        f"document(s) kept ({skipped or 'nothing skipped'}); check input.paths and "
+        f"input.format={cfg.input.format} (see the warnings above), or lower min_sentences "
+        f"(={cfg.min_sentences}) for short documents; the counts are in "
+        f"{manifest_url(cfg.output, empty[0])}, and a rerun needs --overwrite"
+    )
 
 
 def _remove_stale(cfg: PreprocessConfig, phase: str, manifest: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from bertpipe.errors import BertpipeError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "MAX_WORD_CHARS",
     "SPECIAL_TOKENS",
     "CorpusEncoder",
     "SpecialTokens",
@@ -37,6 +39,14 @@ __all__ = [
 ]
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+MAX_WORD_CHARS = 100
+"""WordPiece's ``max_input_chars_per_word``: a longer word is encoded as ``[UNK]``, so the
+trainer is never shown one (its merges are quadratic in word length: one 300,000-letter word
+took 37 s)."""
+# the start of a whitespace-free run longer than any usable word (anchored at the run's start
+# so the scan stays linear)
+_LONG_RUN = re.compile(rf"(?<!\S)\S{{{MAX_WORD_CHARS + 1}}}")
 
 
 class TokenizerMismatchError(BertpipeError, ValueError):
@@ -102,8 +112,14 @@ def train_wordpiece(
     min_frequency: int = 2,
     limit_alphabet: int = 1000,
     special_tokens: Iterable[str] = SPECIAL_TOKENS,
+    counts: Counter[str] | None = None,
 ) -> Tokenizer:
     """Train a BERT WordPiece vocabulary on ``texts`` (sentences or paragraphs).
+
+    Words (after normalisation and pre-tokenisation) longer than :data:`MAX_WORD_CHARS`
+    characters are left out of both passes: the tokenizer encodes them as ``[UNK]`` whatever
+    the vocabulary, and the trainer's time grows with the square of a word's length. They are
+    counted (``words_too_long``, added to ``counts`` when given) and logged.
 
     ``texts`` is a sequence or a function returning a fresh iterable: it is read twice.
     The special tokens get the first ids, then the ``##`` continuation of every alphabet
@@ -121,12 +137,20 @@ def train_wordpiece(
     missing = [t for t in SPECIAL_TOKENS if t not in specials]
     if missing:
         raise TokenizerMismatchError(f"special_tokens must include {', '.join(missing)}")
-    read = texts if callable(texts) else (lambda: texts)
+    source = texts if callable(texts) else (lambda: texts)
     tokenizer = _configure(
-        Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=100)),
+        Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=MAX_WORD_CHARS)),
         lowercase,
         strip_accents,
     )
+    # a separate tokenizer for the filter: the one being trained is locked while it reads
+    probe = _configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase, strip_accents)
+    dropped: Counter[str] = Counter()
+
+    def read() -> Iterator[str]:  # each pass counts afresh: the second one is reported
+        dropped.clear()
+        return _without_long_words(source(), probe, dropped)
+
     alphabet = _alphabet(tokenizer, read(), limit_alphabet)
     pieces = [f"##{c}" for c in alphabet if f"##{c}" not in specials]
     trainer = WordPieceTrainer(
@@ -139,9 +163,45 @@ def train_wordpiece(
         show_progress=False,
     )
     tokenizer.train_from_iterator(read(), trainer=trainer)
+    if dropped:
+        log.warning(
+            "%d word(s) longer than %d characters in %d text(s) were not used to train the "
+            "vocabulary (the tokenizer encodes such words as [UNK])",
+            dropped["words_too_long"],
+            MAX_WORD_CHARS,
+            dropped["texts_with_words_too_long"],
+        )
+        if counts is not None:
+            counts.update(dropped)
     return build_from_vocab(
         vocab_in_order(tokenizer), lowercase=lowercase, strip_accents=strip_accents
     )
+
+
+def _without_long_words(
+    texts: Iterable[str], tokenizer: Tokenizer, dropped: Counter[str]
+) -> Iterator[str]:
+    """``texts`` with every word longer than :data:`MAX_WORD_CHARS` removed.
+
+    A text without such a word is passed on unchanged; one with is replaced by its normalised,
+    pre-tokenised words joined by spaces, which the trainer normalises and pre-tokenises into
+    the same words again.
+    """
+    normalizer, pre_tokenizer = tokenizer.normalizer, tokenizer.pre_tokenizer
+    for text in texts:
+        if _LONG_RUN.search(text) is None:
+            yield text
+            continue
+        normalized = normalizer.normalize_str(text) if normalizer else text
+        words = [w for w, _ in pre_tokenizer.pre_tokenize_str(normalized)]
+        kept = [w for w in words if len(w) <= MAX_WORD_CHARS]
+        if len(kept) == len(words):
+            yield text
+            continue
+        dropped["words_too_long"] += len(words) - len(kept)
+        dropped["texts_with_words_too_long"] += 1
+        if kept:
+            yield " ".join(kept)
 
 
 def _alphabet(tokenizer: Tokenizer, texts: Iterable[str], limit: int) -> list[str]:
@@ -172,7 +232,9 @@ def build_from_vocab(
             f"vocabulary has no {', '.join(missing)}: BERT needs {', '.join(SPECIAL_TOKENS)}"
         )
     tokenizer = _configure(
-        Tokenizer(models.WordPiece(table, unk_token="[UNK]", max_input_chars_per_word=100)),
+        Tokenizer(
+            models.WordPiece(table, unk_token="[UNK]", max_input_chars_per_word=MAX_WORD_CHARS)
+        ),
         lowercase,
         strip_accents,
     )

@@ -93,10 +93,14 @@ def read_conll(
 ) -> tuple[list[Sentence], ReadReport]:
     """Read a CoNLL file into sentences; a bad line drops its whole sentence (reported).
 
-    Problems: a line whose column count differs from the file's first token line or has
-    fewer than two columns, a label that is not ``O``/``B-X``/``I-X``/``E-X``/``S-X``, or
-    (with ``labels`` given) a label outside the list. Labels are converted from IOB1 to IOB2
-    unless ``convert_iob1`` is False.
+    Problems that drop the sentence: a line whose column count differs from the file's first
+    token line or has fewer than two columns, a label that is not ``O``/``B-X``/``I-X``/
+    ``E-X``/``S-X``. A well-formed label outside ``labels`` (when given: the model's labels,
+    e.g. an entity type the training file never has) is reported but its sentence is kept,
+    so that an evaluation scores the whole file: :func:`featurize_conll` trains such words
+    as ``O`` and :func:`entity_scores` counts their gold entities, which the model cannot
+    predict, as missed. Labels are converted from IOB1 to IOB2 unless ``convert_iob1`` is
+    False.
     """
     name = os.fspath(path)
     report = ReadReport(name)
@@ -116,10 +120,14 @@ def read_conll(
                 fixed = iob1_to_iob2(tags) if convert_iob1 else list(tags)
                 pairs = zip(numbers, fixed, strict=True)
                 unknown = [(n, t) for n, t in pairs if allowed is not None and t not in allowed]
-                if unknown:
-                    report.add(unknown[0][0], f"unknown label {unknown[0][1]!r}; sentence dropped")
-                else:
-                    sentences.append(Sentence(tuple(words), tuple(fixed), numbers[0]))
+                if unknown:  # kept: an evaluation must score every sentence
+                    report.add(
+                        unknown[0][0],
+                        f"unknown label {unknown[0][1]!r} (not one of the task's labels); "
+                        "sentence kept: such words are O for the loss, and their entities "
+                        "count as missed when scored",
+                    )
+                sentences.append(Sentence(tuple(words), tuple(fixed), numbers[0]))
         words.clear()
         tags.clear()
         numbers.clear()
@@ -186,11 +194,14 @@ def featurize_conll(
 
     A word the tokenizer turns into no token at all (e.g. a lone control character) becomes
     ``[UNK]`` so that every word keeps a position. Truncated sentences are counted in a
-    warning.
+    warning. A label outside ``spec.labels`` (reported by :func:`read_conll`) gets the id of
+    ``O`` (of the loss's ignore index when there is no ``O``); the sentence's own labels,
+    which evaluation scores, are not changed.
     """
     tok = plain_tokenizer(tokenizer)
     special = special_ids(tok)
     label_ids = spec.label_to_id
+    fallback = label_ids.get("O", IGNORE_INDEX)
     budget = max_seq_length - 2
     encodings = tok.encode_batch(
         [list(s.words) for s in sentences], is_pretokenized=True, add_special_tokens=False
@@ -212,7 +223,9 @@ def featurize_conll(
                     truncated[i] = True
                     break
                 ids.append(token_id)
-                labels.append(label_ids[sentence.labels[w]] if j == 0 else IGNORE_INDEX)
+                labels.append(
+                    label_ids.get(sentence.labels[w], fallback) if j == 0 else IGNORE_INDEX
+                )
                 word_ids.append(w if j == 0 else -1)
             if truncated[i]:
                 words_lost += len(pieces) - sum(1 for x in word_ids if x >= 0)

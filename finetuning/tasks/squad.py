@@ -159,8 +159,9 @@ def read_squad(
 
     ``version_2=None`` detects v2.0 from ``version`` or any ``is_impossible`` key. Problems:
     malformed entries, empty questions, duplicate ids, answerable questions without answers
-    (dropped); answers that do not match the context at ``answer_start`` (question kept for
-    evaluation, answer skipped for training).
+    (dropped); answers whose ``answer_start`` lies outside the context (negative, or past
+    its end), whose text is empty, or whose text does not match the context at
+    ``answer_start`` (question kept for evaluation, answer skipped for training).
     """
     name = os.fspath(path)
     text = read_text(name)
@@ -202,13 +203,11 @@ def read_squad(
                     report.add(lines.line(qid), result)
                     continue
                 example, mismatched = result
-                for answer in mismatched:
-                    found = context[answer.start : answer.start + len(answer.text)]
+                for answer, reason in mismatched:
                     report.add(
                         lines.line(example.qid),
                         f"question {example.qid} ({where}.qas[{q}]): answer {answer.text!r} "
-                        f"does not match the context at {answer.start} ({found!r}); skipped "
-                        "for training, kept for evaluation",
+                        f"{reason}; skipped for training, kept for evaluation",
                     )
                 seen.add(example.qid)
                 examples.append(example)
@@ -218,10 +217,33 @@ def read_squad(
     return examples, report
 
 
+def _answer_problem(answer: SquadAnswer, context: str) -> str | None:
+    """Why ``answer`` cannot be trained on (its span is not in ``context``), or None.
+
+    Python slicing would accept a negative offset (counted from the end) and an empty text
+    anywhere, so both are checked before the text is compared.
+    """
+    end = answer.start + len(answer.text)
+    if not 0 <= answer.start < len(context):
+        return f"has answer_start {answer.start}, outside the context ({len(context)} characters)"
+    if end > len(context):
+        return (
+            f"at answer_start {answer.start} runs {end - len(context)} character(s) past the "
+            f"end of the context ({len(context)} characters)"
+        )
+    if not answer.text:
+        return f"is empty (answer_start {answer.start})"
+    found = context[answer.start : end]
+    if found != answer.text:
+        return f"does not match the context at {answer.start} ({found!r})"
+    return None
+
+
 def _example(
     qa: object, context: str, title: str, where: str, version_2: bool, seen: set[str]
-) -> str | tuple[SquadExample, list[SquadAnswer]]:
-    """The example and its mismatching answers, or the reason the question is dropped."""
+) -> str | tuple[SquadExample, list[tuple[SquadAnswer, str]]]:
+    """The example and its unusable answers with the reasons, or why the question is
+    dropped."""
     if not isinstance(qa, dict):
         return f"{where} is not an object; dropped"
     qid, question = qa.get("id"), qa.get("question")
@@ -238,8 +260,9 @@ def _example(
     impossible = bool(qa.get("is_impossible", False)) and version_2
     if not impossible and not answers:
         return f"question {qid} ({where}): no answers and not marked impossible; dropped"
-    matching = [x for x in answers if context[x.start : x.start + len(x.text)] == x.text]
-    mismatched = [x for x in answers if x not in matching]
+    problems = [(x, _answer_problem(x, context)) for x in answers]
+    mismatched = [(x, reason) for x, reason in problems if reason is not None]
+    matching = [x for x, reason in problems if reason is None]
     train = None if impossible or not matching else matching[0]
     example = SquadExample(
         qid, question, context, tuple(answers), impossible, train, tuple(plausible), title

@@ -63,7 +63,8 @@ def test_read_conll2003_iob1(write):
 def test_two_column_file_with_given_labels(write):
     text = "Peter B-PER\nlives O\n\nin O\nLondon B-LOC\n"
     sentences, report = read_conll(write("dev.txt", text), labels=["O", "B-PER", "I-PER"])
-    assert [s.words for s in sentences] == [("Peter", "lives")]
+    # a label outside the list is reported, but its sentence is kept (evaluation scores it)
+    assert [s.words for s in sentences] == [("Peter", "lives"), ("in", "London")]
     assert report.problems[0].line == 5 and "unknown label 'B-LOC'" in report.problems[0].reason
 
 
