@@ -204,8 +204,23 @@ def to_dict(cfg: Any) -> Any:
 
 
 def to_yaml(cfg: Any) -> str:
-    """The resolved config as YAML, keys in declaration order."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+    """The resolved config as YAML, keys in declaration order, passwords in URLs redacted
+    (it is written next to outputs and logged to MLflow)."""
+    return yaml.safe_dump(redacted(to_dict(cfg)), sort_keys=False, default_flow_style=False)
+
+
+def redacted(data: Any) -> Any:
+    """``data`` (dicts, lists, scalars) with the password of every URL in its strings
+    replaced by ``***`` (:func:`bertpipe.fsio.redact`)."""
+    from bertpipe.fsio import redact
+
+    if isinstance(data, str):
+        return redact(data)
+    if isinstance(data, Mapping):
+        return {key: redacted(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return type(data)(redacted(value) for value in data)
+    return data
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

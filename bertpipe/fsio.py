@@ -8,7 +8,9 @@ Everything that touches storage goes through fsspec, so a local path, ``memory:/
 from __future__ import annotations
 
 import contextlib
+import os
 import posixpath
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import IO, Any
@@ -95,13 +97,39 @@ def expand_urls(patterns: Sequence[str] | str) -> list[str]:
     return list(found)
 
 
+_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@\s:]*):[^/@\s]*@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the password of every URL in it replaced by ``***``
+    (``https://me:secret@host`` -> ``https://me:***@host``): for anything logged or saved.
+    Credentials belong in the environment (``MLFLOW_TRACKING_USERNAME`` /
+    ``MLFLOW_TRACKING_PASSWORD``, the cloud SDKs' own), not in a URI."""
+    return _CREDENTIALS.sub(r"\g<scheme>\g<user>:***@", text)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path or ".", os.O_RDONLY)
+    except OSError:  # a platform or file system without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_writer(url: str) -> Iterator[IO[bytes]]:
     """A binary file to write ``url`` through, published only when the block exits cleanly.
 
-    Local files are written under a temporary name in the same folder and renamed into
-    place; object stores publish an object only when its upload completes, so they are
-    written directly. Readers never see a partial file; on error nothing is published.
+    Local files are written under a temporary name in the same folder, flushed to disk
+    (fsync), renamed into place and the folder synced, so that a power loss leaves the old
+    file or the new one, never an empty one; object stores publish an object only when its
+    upload completes, so they are written directly. Readers never see a partial file; on
+    error nothing is published.
     """
     fs, path = to_fs(url)
     parent = posixpath.dirname(path)
@@ -113,9 +141,12 @@ def atomic_writer(url: str) -> Iterator[IO[bytes]]:
         return
     tmp = posixpath.join(parent, f".{posixpath.basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
-        with fs.open(tmp, "wb") as f:
+        with open(tmp, "wb") as f:
             yield f
-        fs.mv(tmp, path)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(parent)
     finally:
         if fs.exists(tmp):
             fs.rm(tmp)

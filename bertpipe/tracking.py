@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from bertpipe import fsio
 from bertpipe.config import ConfigError, to_dict, to_yaml
 from bertpipe.errors import BertpipeError
 
@@ -172,7 +173,9 @@ def start_run(
             mlflow.set_tags(all_tags)
         elif config is not None:
             log_config(config)
-        log.info("MLflow run %s (%s) in %s", run.info.run_id, stage, cfg.resolved_uri())
+        log.info(
+            "MLflow run %s (%s) in %s", run.info.run_id, stage, fsio.redact(cfg.resolved_uri())
+        )
         yield run
 
 
@@ -193,7 +196,7 @@ def config_params(config: Any) -> dict[str, str]:
     data = to_dict(config)
     params: dict[str, str] = {}
     for key, value in _flatten_params(data, "").items():
-        params[_param_key(key)] = _param_value(value)
+        params[_param_key(key)] = fsio.redact(_param_value(value))
     return params
 
 
@@ -225,15 +228,14 @@ def _param_key(key: str) -> str:
 
 
 def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
-    """Log numeric metrics, skipping non-finite and non-numeric values."""
-    import math
-
+    """Log numeric metrics; non-numeric values are skipped. NaN and infinities are logged as
+    what they are (a diverging loss must show as NaN in the run, not as a gap)."""
     import mlflow
 
     clean = {
         k: float(v)
         for k, v in metrics.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(float(v))
+        if isinstance(v, int | float) and not isinstance(v, bool)
     }
     if clean:
         mlflow.log_metrics(clean, step=step, timestamp=int(time.time() * 1000))
@@ -286,13 +288,13 @@ def register_pytorch_model(
             **kwargs,
         )
     except Exception as exc:  # MlflowException, connection and storage errors alike
-        reason = " ".join(str(exc).split())[:300] or type(exc).__name__
+        reason = fsio.redact(" ".join(str(exc).split())[:300]) or type(exc).__name__
         raise RegistryError(
             uri_key,
             f"could not register model {registered_name!r} in the MLflow model registry at "
-            f"{uri}: {reason} (check that the tracking store is reachable and has a model "
-            f"registry, or point {uri_key} at one)",
+            f"{fsio.redact(uri)}: {reason} (check that the tracking store is reachable and "
+            f"has a model registry, or point {uri_key} at one)",
         ) from exc
     version = int(info.registered_model_version)
-    log.info("registered %s version %d (%s)", registered_name, version, uri)
+    log.info("registered %s version %d (%s)", registered_name, version, fsio.redact(uri))
     return version

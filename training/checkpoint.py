@@ -12,7 +12,8 @@ Every rank writes its part, then all ranks meet at a barrier, and only then does
 rewrite ``latest`` (temporary file + rename). A job killed while saving therefore resumes
 from the previous checkpoint, never from half of one. Older checkpoints beyond ``keep_last``
 are deleted after that, except the final checkpoint of each phase (phase 2 and exports start
-from it). Our own state is JSON (RNG states base64-encoded): nothing of ours is pickled.
+from it) and the newest good one (see :func:`save`'s ``good``). Our own state is JSON (RNG
+states base64-encoded): nothing of ours is pickled.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ class CheckpointState:
     data_sha256: dict[str, str] = field(default_factory=dict)
     """sha256 of each phase's data manifest (lineage for exports and fine-tuning runs)."""
     config: dict[str, Any] = field(default_factory=dict)
+    skipped_steps: int = 0
+    """Optimizer steps skipped for a non-finite loss or gradient, over all phases."""
     version: int = STATE_VERSION
 
 
@@ -128,9 +131,13 @@ def _rank_file(rank: int) -> str:
     return f"bertpipe_rank{rank:05d}.json"
 
 
-def save(engine: Any, folder: str, tag: str, state: CheckpointState, rank: int) -> None:
+def save(
+    engine: Any, folder: str, tag: str, state: CheckpointState, rank: int, *, good: bool = True
+) -> None:
     """Save ``engine`` and ``state`` under ``folder/tag``; move ``latest`` once all ranks are
-    done."""
+    done. ``good=False`` marks a checkpoint saved while steps were being skipped for
+    non-finite values (on preemption or at a phase end): :func:`prune` always keeps the
+    newest good one."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -153,7 +160,7 @@ def save(engine: Any, folder: str, tag: str, state: CheckpointState, rank: int) 
     dist.barrier()
     if rank == 0:
         fsio.atomic_write_text(str(local / "latest"), tag)
-        _update_index(local, tag, state)
+        _update_index(local, tag, state, good)
     dist.barrier()
     log.info("checkpoint %s saved in %s", tag, local)
 
@@ -189,7 +196,7 @@ def read_state(folder: str, tag: str, rank: int) -> tuple[CheckpointState, dict[
     return state, rank_state
 
 
-def _update_index(local: Path, tag: str, state: CheckpointState) -> None:
+def _update_index(local: Path, tag: str, state: CheckpointState, good: bool = True) -> None:
     index = _read_index(local)
     index = [e for e in index if e["tag"] != tag]
     index.append(
@@ -198,6 +205,7 @@ def _update_index(local: Path, tag: str, state: CheckpointState) -> None:
             "phase": state.phase,
             "global_step": state.global_step,
             "phase_end": state.phase_complete,
+            "good": good,
         }
     )
     index.sort(key=lambda e: e["global_step"])
@@ -210,11 +218,15 @@ def _read_index(local: Path) -> list[dict[str, Any]]:
 
 
 def prune(folder: str, keep_last: int) -> list[str]:
-    """Delete all but the newest ``keep_last`` checkpoints, keeping every phase end (rank 0)."""
+    """Delete all but the newest ``keep_last`` checkpoints, keeping every phase end, ``latest``
+    and the newest good checkpoint (one not saved during a run of skipped non-finite steps;
+    entries without the mark count as good) (rank 0)."""
     local = _local_path(folder)
     index = _read_index(local)
     latest = latest_tag(folder)
-    ordinary = [e for e in index if not e["phase_end"] and e["tag"] != latest]
+    good = [e for e in index if e.get("good", True)]
+    last_good = max(good, key=lambda e: e["global_step"])["tag"] if good else None
+    ordinary = [e for e in index if not e["phase_end"] and e["tag"] not in (latest, last_good)]
     newest = {e["tag"] for e in sorted(index, key=lambda e: e["global_step"])[-keep_last:]}
     removed = []
     for entry in ordinary:

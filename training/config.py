@@ -300,6 +300,10 @@ class PretrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log_every_steps: int = 10
     """Log metrics every N optimizer steps."""
+    max_bad_steps: int = 20
+    """Stop (exit status 2) after this many consecutive optimizer steps with a non-finite loss
+    or gradient. Such a step is never applied: the weights, optimizer state and learning rate
+    stay as they were; it is counted in ``train/skipped_steps``."""
     device_peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device at the chosen precision, for MFU; null: looked up
     from the device name (unknown devices get no MFU)."""
@@ -347,6 +351,8 @@ class PretrainConfig:
             )
         if self.log_every_steps < 1:
             raise ConfigError("log_every_steps", "must be at least 1")
+        if self.max_bad_steps < 1:
+            raise ConfigError("max_bad_steps", "must be at least 1")
         if self.mixed_precision == "autocast" and self.precision != "bf16":
             raise ConfigError(
                 "mixed_precision",

@@ -506,10 +506,26 @@ class PretrainingData:
                 yield {k: v.pin_memory() for k, v in batch.items()} if pin else batch
             return
         loader = DataLoader(
-            dataset, batch_size=None, num_workers=self.num_workers, pin_memory=pin, in_order=True
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=pin,
+            in_order=True,
+            worker_init_fn=_ignore_stop_signals,
         )
         for packed in loader:
             yield unpack_batch(packed)
+
+
+def _ignore_stop_signals(worker_id: int) -> None:
+    """Loader workers ignore SIGTERM and SIGINT: SLURM preemption, ``scancel`` and Ctrl-C
+    signal the whole process group, and a worker that died first would fail the trainer's next
+    batch before it could save. The trainer acts on the signal and shuts its workers down
+    (torch's worker loop exits when told to, or when its parent is gone)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def build_pretraining_data(

@@ -10,15 +10,22 @@ resumed run on CPU in fp32 reproduces the uninterrupted run's losses exactly.
 
 A SIGTERM (preemption) is turned into a flag that all ranks agree on at the next optimizer
 step; the run then saves a checkpoint and exits with status 143.
+
+Non-finite values: a step whose loss or gradient is NaN or infinite on any rank is skipped,
+never applied (see :func:`_poisoned` and :func:`_skip_nonfinite_updates`), counted in
+``train/skipped_steps``, and ``max_bad_steps`` such steps in a row stop the run
+(:class:`NonFiniteError`). No checkpoint with non-finite weights is ever written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -29,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from bertpipe import fsio, tracking
-from bertpipe.config import ConfigError, to_dict, to_yaml
+from bertpipe.config import ConfigError, redacted, to_dict, to_yaml
 from bertpipe.errors import BertpipeError
 from bertpipe.progress import ProgressLine
 from bertpipe.training import checkpoint as ckpt
@@ -42,13 +49,117 @@ from bertpipe.training.step import BatchPrep, BatchStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreemptedError", "run_pretraining"]
+__all__ = ["NonFiniteError", "PreemptedError", "run_pretraining"]
 
 PREEMPTED_EXIT_CODE = 143
+
+FAULT_NAN_STEPS = "BERTPIPE_FAULT_NAN_STEPS"
+FAULT_RAISE_STEP = "BERTPIPE_FAULT_RAISE_STEP"
+FAULT_RANK = "BERTPIPE_FAULT_RANK"
 
 
 class PreemptedError(Exception):
     """The run was asked to stop (SIGTERM) and saved a checkpoint."""
+
+
+class NonFiniteError(BertpipeError):
+    """Too many consecutive steps with a non-finite loss or gradient, or non-finite weights
+    at a checkpoint: the run stops without saving them (``bertpipe: error: ...``, status 2)."""
+
+
+class _Faults:
+    """Fault injection for tests, read from the environment (unset in real runs).
+
+    ``BERTPIPE_FAULT_NAN_STEPS=5,6`` or ``=8-`` (global optimizer steps counted from 1; ``8-``
+    is every step from 8 on) multiplies those steps' loss by NaN; ``BERTPIPE_FAULT_RAISE_STEP=6``
+    raises ``RuntimeError`` before step 6's first forward pass; ``BERTPIPE_FAULT_RANK=1``
+    limits both to that rank (default: every rank)."""
+
+    def __init__(self, rank: int, environ: Any = os.environ) -> None:
+        self.nan_steps: set[int] = set()
+        self.nan_from: int | None = None
+        self.raise_step: int | None = None
+        only = environ.get(FAULT_RANK)
+        if only is not None and int(only) != rank:
+            return
+        for item in filter(None, environ.get(FAULT_NAN_STEPS, "").replace(" ", "").split(",")):
+            if item.endswith("-"):
+                self.nan_from = int(item[:-1])
+            elif "-" in item:
+                first, last = (int(x) for x in item.split("-"))
+                self.nan_steps.update(range(first, last + 1))
+            else:
+                self.nan_steps.add(int(item))
+        raise_step = environ.get(FAULT_RAISE_STEP)
+        self.raise_step = int(raise_step) if raise_step else None
+        if self.nan_steps or self.nan_from is not None or self.raise_step is not None:
+            log.warning(
+                "fault injection (tests only): %s=%s %s=%s",
+                FAULT_NAN_STEPS,
+                environ.get(FAULT_NAN_STEPS),
+                FAULT_RAISE_STEP,
+                raise_step,
+            )
+
+    def nan(self, step: int) -> bool:
+        return step in self.nan_steps or (self.nan_from is not None and step >= self.nan_from)
+
+    def before_step(self, step: int) -> None:
+        if step == self.raise_step:
+            raise RuntimeError(f"fault injection: {FAULT_RAISE_STEP}={step}")
+
+
+def _poisoned(loss: torch.Tensor) -> torch.Tensor:
+    """The loss to back-propagate: the loss itself (x 1.0, bit for bit) when finite, else x NaN,
+    so that a non-finite loss always makes every gradient NaN (a loss of inf can have finite
+    gradients). The gradients' own reduction then carries a bad micro-batch of any rank to all
+    ranks: the all-reduce at ZeRO 0, the gradient-norm all-reduce of DeepSpeed's ZeRO optimizer
+    at stages 1-3. No device read."""
+    finite = torch.isfinite(loss)
+    return loss * torch.where(finite, torch.ones_like(loss), torch.full_like(loss, math.nan))
+
+
+def _skip_nonfinite_updates(engine: Any) -> bool:
+    """Make the engine skip steps with non-finite gradients where DeepSpeed does not.
+
+    DeepSpeed's own optimizer wrappers (ZeRO 1-3, fp16, bf16) set ``overflow`` when the global
+    gradient norm is not finite (at ZeRO 1/2 in fp32 too), skip the update, and the engine
+    then counts ``skipped_steps`` and does not step the LR schedule. At ZeRO 0 in fp32 (and
+    with ``torch_autocast``) the engine calls the client optimizer directly, which would write
+    NaN into every weight. This wraps that optimizer's ``step`` to check the (already
+    all-reduced, so identical on every rank) gradients first and to set ``overflow`` like
+    DeepSpeed's wrappers do, so the engine's own skip accounting applies. It costs one device
+    read per optimizer step, at ZeRO 0 only. Returns whether the guard was installed."""
+    optimizer = engine.optimizer
+    if hasattr(optimizer, "overflow"):
+        return False
+    step = optimizer.step
+
+    @functools.wraps(step)  # keeps the LR scheduler's mark on the wrapped step
+    def guarded_step(*args: Any, **kwargs: Any) -> Any:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.stack(torch._foreach_norm(grads)).sum() if grads else None
+        optimizer.overflow = total is not None and not bool(torch.isfinite(total))
+        if optimizer.overflow:
+            return None
+        return step(*args, **kwargs)
+
+    optimizer.overflow = False
+    optimizer.step = guarded_step
+    return True
+
+
+def _weights_finite(engine: Any, collective: bool = True) -> bool:
+    """Whether every weight of the engine's model is finite (on all ranks if ``collective``).
+    Under ZeRO 3 this rank's partition of each parameter is checked."""
+    tensors = [getattr(p, "ds_tensor", p).detach() for p in engine.module.parameters()]
+    checks = [torch.isfinite(t).all() for t in tensors if t.numel()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    bad = (~torch.stack(checks).all()).float().reshape(1) if checks else torch.zeros(1)
+    bad = bad.to(device)
+    if collective:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad.item() > 0)
 
 
 class DataMismatchError(BertpipeError):
@@ -240,6 +351,9 @@ class Trainer:
         self.run_id: str | None = None
         self.global_step = 0
         self.samples_seen = 0
+        self.skipped_steps = 0  # steps not applied for non-finite values, all phases
+        self.bad_streak = 0  # consecutive skipped steps up to the last one
+        self.faults = _Faults(info.rank)
         self.peak = self._peak_flops()
 
     # ---------------------------------------------------------------- set-up
@@ -322,6 +436,7 @@ class Trainer:
             self.run_id = state.mlflow_run_id
             self.global_step = state.global_step
             self.samples_seen = state.samples_seen
+            self.skipped_steps = state.skipped_steps
         if not self.info.is_main:
             yield
             return
@@ -353,6 +468,8 @@ class Trainer:
         accumulation = self.accumulation[phase.name]
         model = self.new_model()
         engine, dsconf = build_engine(model, cfg, phase, self.world)
+        if _skip_nonfinite_updates(engine):
+            log.debug("ZeRO 0: non-finite gradients are checked before each update")
         phase_step = 0
         data_state: dict[str, int] | None = None
         if tag is not None:
@@ -381,41 +498,98 @@ class Trainer:
         batches = iter(loader)
         ended = phase_step >= phase.max_steps
         prep = BatchPrep(self.model_cfg, self.info.device, unpad=cfg.model.unpad)
-        while not ended:
-            window.lr = float(engine.optimizer.param_groups[0]["lr"])  # this update's rate
-            for _ in range(accumulation):
-                waited = time.perf_counter()
-                host = next(batches)
-                window.data_wait += time.perf_counter() - waited
-                batch, stats = prep(host)
-                out = engine(**batch)
-                engine.backward(out.loss)
-                engine.step()
-                window.add(out, stats, accumulation)
-            phase_step += 1
-            self.global_step += 1
-            self.samples_seen += phase.micro_batch_size * accumulation
-            window.steps += 1
-            ended = phase_step >= phase.max_steps
-            if progress is not None:  # host only: the bar, or a log line every minute
-                progress.update(phase_step)
-            logging_now = phase_step % cfg.log_every_steps == 0 or ended
-            # the stop flag costs a device read: only every few steps, never in between
-            stopping = (
-                logging_now or phase_step % cfg.checkpoint.preemption_check_steps == 0
-            ) and self.stop.agreed(self.info.device)
-            if logging_now:
-                self._log_window(engine, window, phase, phase_step, progress)
-                window = _Window(self.info.device)
-            if cfg.eval.every_steps and phase_step % cfg.eval.every_steps == 0 and not ended:
-                self._evaluate(engine, index)
-            every = cfg.checkpoint.every_steps
-            if stopping or ended or (every and phase_step % every == 0):
-                self._save(engine, index, phase_step, ended, loader.state_dict())
-            if stopping:
-                if progress:
-                    progress.close()
-                raise PreemptedError(f"stopped by SIGTERM at {phase.name} step {phase_step}")
+        done = (phase_step, loader.state_dict())  # the last completed step and data position
+        try:
+            while not ended:
+                window.lr = float(engine.optimizer.param_groups[0]["lr"])  # this update's rate
+                skipped_before = engine.skipped_steps
+                self.faults.before_step(self.global_step + 1)
+                for _ in range(accumulation):
+                    waited = time.perf_counter()
+                    host = next(batches)
+                    window.data_wait += time.perf_counter() - waited
+                    batch, stats = prep(host)
+                    out = engine(**batch)
+                    if self.faults.nan(self.global_step + 1):
+                        out.loss = out.loss * math.nan
+                    engine.backward(_poisoned(out.loss))
+                    engine.step()
+                    window.add(out, stats, accumulation)
+                phase_step += 1
+                self.global_step += 1
+                self.samples_seen += phase.micro_batch_size * accumulation
+                done = (phase_step, loader.state_dict())
+                window.steps += 1
+                # DeepSpeed's host-side count: no device read (its ZeRO optimizer, or the
+                # ZeRO 0 guard, already read the all-reduced gradient norm in the step)
+                skipped = engine.skipped_steps - skipped_before
+                self.skipped_steps += skipped
+                self.bad_streak = self.bad_streak + 1 if skipped else 0
+                if skipped and self.info.is_main:
+                    log.warning(
+                        "%s step %d (global %d): non-finite loss or gradient, update skipped "
+                        "(%d in a row, %d in all; the run stops at %d in a row)",
+                        phase.name,
+                        phase_step,
+                        self.global_step,
+                        self.bad_streak,
+                        self.skipped_steps,
+                        cfg.max_bad_steps,
+                    )
+                too_many = self.bad_streak >= cfg.max_bad_steps
+                ended = phase_step >= phase.max_steps
+                if progress is not None:  # host only: the bar, or a log line every minute
+                    progress.update(phase_step)
+                logging_now = phase_step % cfg.log_every_steps == 0 or ended or too_many
+                # the stop flag costs a device read: only every few steps, never in between
+                stopping = (
+                    logging_now or phase_step % cfg.checkpoint.preemption_check_steps == 0
+                ) and self.stop.agreed(self.info.device)
+                if logging_now:
+                    self._log_window(engine, window, phase, phase_step, progress)
+                    window = _Window(self.info.device)
+                if too_many:
+                    raise NonFiniteError(
+                        f"{phase.name} step {phase_step} (global {self.global_step}): "
+                        f"{self.bad_streak} steps in a row had a non-finite loss or gradient "
+                        f"(max_bad_steps={cfg.max_bad_steps}); none was applied and nothing "
+                        f"was saved, the latest checkpoint is "
+                        f"{ckpt.latest_tag(self.folder) or 'none'}: lower the learning rate or "
+                        "check the data, then resume"
+                    )
+                if cfg.eval.every_steps and phase_step % cfg.eval.every_steps == 0 and not ended:
+                    self._evaluate(engine, index)
+                every = cfg.checkpoint.every_steps
+                if stopping or ended or (every and phase_step % every == 0):
+                    if self.bad_streak and not (stopping or ended):
+                        # keep the last good checkpoint `latest` (and unpruned) during a streak
+                        log.warning(
+                            "%s step %d: checkpoint deferred, the last %d steps were skipped",
+                            phase.name,
+                            phase_step,
+                            self.bad_streak,
+                        )
+                    else:
+                        self._save(
+                            engine,
+                            index,
+                            phase_step,
+                            ended,
+                            loader.state_dict(),
+                            good=not self.bad_streak,
+                        )
+                if stopping:
+                    if progress:
+                        progress.close()
+                    raise PreemptedError(f"stopped by SIGTERM at {phase.name} step {phase_step}")
+        except (PreemptedError, NonFiniteError):
+            raise
+        except Exception:
+            self._save_after_error(engine, index, *done)
+            raise
+        finally:
+            # stop the loader's workers now (they ignore SIGTERM), not at interpreter exit
+            batches.close()
         if progress:
             progress.close()
         metrics = self._evaluate(engine, index)
@@ -466,9 +640,22 @@ class Trainer:
         return 0, None
 
     def _save(
-        self, engine: Any, index: int, phase_step: int, ended: bool, data: dict[str, int]
+        self,
+        engine: Any,
+        index: int,
+        phase_step: int,
+        ended: bool,
+        data: dict[str, int],
+        *,
+        good: bool = True,
     ) -> None:
         phase = self.cfg.phases[index]
+        tag = f"global_step{self.global_step}"
+        if not _weights_finite(engine):  # all ranks agree; never publish NaN weights
+            raise NonFiniteError(
+                f"{phase.name} step {phase_step}: the weights are not finite, so {tag} was not "
+                f"saved; the latest checkpoint is {ckpt.latest_tag(self.folder) or 'none'}"
+            )
         state = ckpt.CheckpointState(
             phase=phase.name,
             phase_index=index,
@@ -483,13 +670,43 @@ class Trainer:
             zero_stage=self.cfg.zero.stage,
             precision=self.cfg.precision,
             data_sha256={p.name: d.sha256 for p, d in zip(self.cfg.phases, self.data, strict=True)},
-            config=to_dict(self.cfg),
+            config=redacted(to_dict(self.cfg)),
+            skipped_steps=self.skipped_steps,
         )
-        tag = f"global_step{self.global_step}"
-        ckpt.save(engine, self.folder, tag, state, self.info.rank)
+        ckpt.save(engine, self.folder, tag, state, self.info.rank, good=good)
         if self.info.is_main:
             ckpt.prune(self.folder, self.cfg.checkpoint.keep_last)
         dist.barrier()
+
+    def _save_after_error(
+        self, engine: Any, index: int, phase_step: int, data: dict[str, int]
+    ) -> None:
+        """After an unexpected exception in the loop: save the last completed step if its
+        state is finite and not saved yet, so the run resumes from there (not bit for bit:
+        the RNG states are those at the error). One process only: with several ranks the
+        others may be inside a collective of the step, and a save would hang."""
+        phase = self.cfg.phases[index]
+        tag = f"global_step{self.global_step}"
+        if ckpt.latest_tag(self.folder) == tag:
+            return
+        if self.world > 1:
+            log.error(
+                "%s: no checkpoint after the error (%d ranks: the others may be waiting in a "
+                "collective); resume from %s",
+                phase.name,
+                self.world,
+                ckpt.latest_tag(self.folder),
+            )
+            return
+        try:
+            if self.bad_streak or not _weights_finite(engine, collective=False):
+                log.error("%s: the state is not finite: no checkpoint after the error", phase.name)
+                return
+            ended = phase_step >= phase.max_steps
+            self._save(engine, index, phase_step, ended, data)
+            log.error("%s: saved %s after an error at step %d", phase.name, tag, phase_step + 1)
+        except Exception:
+            log.exception("%s: could not save a checkpoint after the error", phase.name)
 
     # ---------------------------------------------------------------- metrics
 
@@ -524,8 +741,9 @@ class Trainer:
         metrics = window.reduce(self.world)
         metrics["lr"] = window.lr
         grad_norm = engine.get_global_grad_norm()
-        if grad_norm is not None and math.isfinite(float(grad_norm)):
+        if grad_norm is not None:  # inf or NaN after a skipped step: logged as such
             metrics["grad_norm"] = float(grad_norm)
+        metrics["skipped_steps"] = self.skipped_steps
         lamb = getattr(engine.optimizer, "optimizer", engine.optimizer)
         if hasattr(lamb, "trust_ratio_stats"):  # LAMB: one device read, at log steps only
             # under ZeRO 1/2 of the tensors with a piece on this rank
