@@ -534,6 +534,269 @@ def test_worker_image_installs_what_the_pipeline_imports() -> None:
     assert needed <= listed, f"the worker image lacks {needed - listed}"
 
 
+# --------------------------------------------------------------------------- security
+
+
+def _dockerfiles() -> list[Path]:
+    return [
+        p
+        for p in _infra_files()
+        if p.name.startswith("Dockerfile") and not p.name.endswith(".dockerignore")
+    ]
+
+
+def _resolve_defaults(text: str) -> str:
+    """``${VAR:-default}`` / ``${VAR-default}`` -> default (what runs when nothing is set)."""
+    previous = None
+    while previous != text:
+        previous = text
+        text = re.sub(r"\$\{\w+:?-([^${}]*)\}", r"\1", text)
+    return text
+
+
+def _image_problem(ref: str) -> str | None:
+    """Why an image reference is not pinned to a version, or None."""
+    ref = ref.split("@", 1)[0]  # a digest pins on its own, but a tag must be there too
+    name, _, tag = ref.rpartition(":")
+    if not name or "/" in tag:  # no tag at all (a registry port is not a tag)
+        return "no tag (means :latest)"
+    if tag == "latest" or not re.search(r"\d+\.\d+|^RELEASE\.\d{4}-", tag):
+        return f"tag {tag!r} is not a version (major.minor at least, or a dated release)"
+    return None
+
+
+def _images_in_infra() -> list[tuple[str, str]]:
+    """(where, image) for every FROM, compose `image:`, k8s container image and kustomize
+    image override under infra/, with ARG and ${VAR:-default} defaults filled in."""
+    out = []
+    for path in _dockerfiles():
+        text = path.read_text()
+        args = dict(re.findall(r"^ARG (\w+)=\"?([^\"\s]+)\"?", text, re.MULTILINE))
+        for ref in re.findall(r"^FROM\s+(?:--\S+\s+)*(\S+)", text, re.MULTILINE):
+            for name, value in args.items():
+                ref = ref.replace("${" + name + "}", value).replace("$" + name, value)
+            out.append((str(path.relative_to(ROOT)), ref))
+    for path in _yaml_files():
+        for doc in _load_all(path):
+            if not isinstance(doc, dict):
+                continue
+            for name, service in (doc.get("services") or {}).items():
+                if "image" in service:
+                    out.append((f"{path.name}:{name}", _resolve_defaults(service["image"])))
+            pod = doc.get("spec", {}).get("template", {}).get("spec", {}) if "kind" in doc else {}
+            for c in [*pod.get("containers", []), *pod.get("initContainers", [])]:
+                out.append((f"{path.relative_to(ROOT)}:{c['name']}", c["image"]))
+            for override in doc.get("images", []) if doc.get("kind") == "Kustomization" else []:
+                name = override.get("newName", override["name"])
+                out.append((f"{path.relative_to(ROOT)}:images", f"{name}:{override['newTag']}"))
+    return out
+
+
+def test_every_image_in_infra_is_pinned_to_a_version() -> None:
+    images = _images_in_infra()
+    where = {w.split(":")[0] for w, _ in images}
+    assert len(images) >= 10 and len(where) >= 6, images  # the scan does see the files
+    bad = [f"{w}: {ref} ({why})" for w, ref in images if (why := _image_problem(ref))]
+    assert not bad, bad
+    # the self-test of the check itself
+    assert _image_problem("postgres") and _image_problem("minio/minio:latest")
+    assert _image_problem("postgres:16") and not _image_problem("postgres:16.10")
+    assert _image_problem("registry:5000/x") and not _image_problem("registry:5000/x:1.2")
+    compose = (INFRA / "mlflow" / "docker-compose.yaml").read_text()
+    assert not re.search(r"^[^#]*:latest\b", compose, re.MULTILINE)
+
+
+def test_images_run_as_a_fixed_non_root_user() -> None:
+    for path in (INFRA / "docker" / "Dockerfile", INFRA / "beam" / "Dockerfile.worker"):
+        users = re.findall(r"^USER\s+(\S+)", path.read_text(), re.MULTILINE)
+        assert users, f"{path} runs as root (no USER)"
+        user = users[-1].split(":")[0]
+        assert user not in ("root", "0"), f"{path} ends as root"
+    # the Beam worker: a numeric uid, and the SDK harness can still write what it needs
+    worker = (INFRA / "beam" / "Dockerfile.worker").read_text()
+    (user,) = re.findall(r"^USER\s+(\S+)", worker, re.MULTILINE)
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) > 0
+    assert re.search(rf"useradd\b.*--uid {uid}\b", worker)
+    assert re.search(r"chown \S+ /opt/apache/beam-venv", worker), "boot's venv folder"
+    assert re.search(r"^ENV HOME=/home/\w+", worker, re.MULTILINE)
+    assert "semi_persist" in worker  # the comment on what the runner's folder needs
+    assert not re.search(r"^ENTRYPOINT", worker, re.MULTILINE), "boot must stay the entrypoint"
+    assert not re.search(r"^ENV RUN_PYTHON_SDK_IN_DEFAULT_ENVIRONMENT", worker, re.MULTILINE)
+    mlflow = (INFRA / "mlflow" / "Dockerfile").read_text()
+    assert re.findall(r"^USER\s+(\S+)", mlflow, re.MULTILINE)[-1].split(":")[0] not in ("0", "root")
+
+
+def test_compose_publishes_ports_on_localhost_only() -> None:
+    compose = yaml.safe_load((INFRA / "mlflow" / "docker-compose.yaml").read_text())
+    published = []
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            spec = _resolve_defaults(port if isinstance(port, str) else str(port.get("host_ip")))
+            published.append((name, spec))
+            assert spec.startswith("127.0.0.1:"), f"{name} publishes {spec} on every interface"
+    assert ("mlflow", "127.0.0.1:5000:5000") in published
+    assert not compose["services"]["postgres"].get("ports")  # only the server talks to it
+
+
+def test_mlflow_runs_with_basic_auth_from_secrets() -> None:
+    start = (INFRA / "mlflow" / "start-server.sh").read_text()
+    assert re.search(r"^exec mlflow server --app-name basic-auth \"\$@\"", start, re.MULTILINE)
+    assert "MLFLOW_AUTH_CONFIG_PATH" in start and "mktemp -d" in start
+    dockerfile = (INFRA / "mlflow" / "Dockerfile").read_text()
+    assert re.search(r"COPY .*start-server\.sh /usr/local/bin/bertpipe-mlflow-server", dockerfile)
+    assert '"mlflow[auth]==${MLFLOW_VERSION}"' in dockerfile  # Flask-WTF for the auth app
+    # compose: the server goes through the wrapper; the secrets are required from .env
+    compose = yaml.safe_load((INFRA / "mlflow" / "docker-compose.yaml").read_text())
+    mlflow = compose["services"]["mlflow"]
+    assert "exec bertpipe-mlflow-server" in " ".join(mlflow["command"])
+    env = mlflow["environment"]
+    for key in ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
+        assert re.fullmatch(rf"\$\{{{key}:\?[^}}]+\}}", env[key]), f"{key}: {env[key]}"
+    example = dict(
+        line.split("=", 1)
+        for line in (INFRA / "mlflow" / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert example["MLFLOW_AUTH_ADMIN_PASSWORD"] == ""  # no shipped password that could stay
+    assert ".env" in (INFRA / "mlflow" / ".dockerignore").read_text().split()
+    # Kubernetes: the same wrapper, the secrets by reference, a ClusterIP Service
+    deployment = _object("Deployment", "bertpipe-mlflow")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["bertpipe-mlflow-server"]
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in container["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    for key in ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"):
+        assert refs[key] == {"name": "bertpipe-mlflow", "key": key}
+        assert "optional" not in refs[key]
+    service = _object("Service", "bertpipe-mlflow")
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
+    for _, doc in _k8s_objects():
+        if doc["kind"] == "Service":
+            assert doc["spec"].get("type", "ClusterIP") not in ("LoadBalancer", "NodePort")
+
+
+def test_start_server_writes_a_private_auth_config(tmp_path: Path) -> None:
+    import configparser
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "mlflow").write_text(
+        '#!/bin/sh\nprintf "%s\\n" "$@" >"$OUT/args"\n'
+        'cp "$MLFLOW_AUTH_CONFIG_PATH" "$OUT/ini"\n'
+        'stat -c %a "$MLFLOW_AUTH_CONFIG_PATH" >"$OUT/mode"\n'
+        'stat -c %a "$(dirname "$MLFLOW_AUTH_CONFIG_PATH")" >"$OUT/dirmode"\n'
+        'printf "%s" "$MLFLOW_AUTH_ADMIN_PASSWORD" >"$OUT/password"\n'
+    )
+    (fake / "mlflow").chmod(0o755)
+    env = {
+        "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}",
+        "OUT": str(tmp_path),
+        "TMPDIR": str(tmp_path),
+        "MLFLOW_BACKEND_STORE_URI": "postgresql://mlflow:p%40ss@postgres:5432/mlflow",
+    }
+    script = str(INFRA / "mlflow" / "start-server.sh")
+    missing = subprocess.run(["sh", script], env=env, capture_output=True, text=True)
+    assert missing.returncode != 0 and "MLFLOW_AUTH_ADMIN_PASSWORD" in missing.stderr
+    env |= {"MLFLOW_AUTH_ADMIN_PASSWORD": "s3cret", "MLFLOW_FLASK_SERVER_SECRET_KEY": "k"}
+    proc = subprocess.run(["sh", script, "--host", "0.0.0.0"], env=env, capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "args").read_text().split()
+    assert args == ["server", "--app-name", "basic-auth", "--host", "0.0.0.0"]
+    assert (tmp_path / "mode").read_text().strip() == "600"
+    assert (tmp_path / "dirmode").read_text().strip() == "700"
+    ini = configparser.ConfigParser()  # MLflow reads it this way, with % interpolation
+    ini.read(tmp_path / "ini")
+    assert ini["mlflow"]["database_uri"] == env["MLFLOW_BACKEND_STORE_URI"]
+    assert ini["mlflow"]["default_permission"] == "READ"
+    assert "s3cret" not in (tmp_path / "ini").read_text()  # the password stays in the env
+    assert (tmp_path / "password").read_text() == "s3cret"
+
+
+def test_network_policies_admit_only_bertpipe_pods() -> None:
+    policies = {
+        doc["metadata"]["name"]: doc for _, doc in _k8s_objects() if doc["kind"] == "NetworkPolicy"
+    }
+    deployment = _object("Deployment", "bertpipe-mlflow")
+    mlflow_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    job_labels = _job()["spec"]["template"]["metadata"]["labels"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    mlflow_port = container["ports"][0]["containerPort"]
+
+    def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+        return selector.get("matchLabels", {}).items() <= labels.items()
+
+    guarding_mlflow = [
+        p for p in policies.values() if selects(p["spec"]["podSelector"], mlflow_labels)
+    ]
+    assert guarding_mlflow, "no NetworkPolicy selects the MLflow pods"
+    for policy in guarding_mlflow:
+        assert "Ingress" in policy["spec"]["policyTypes"]
+        for rule in policy["spec"]["ingress"]:
+            assert {p["port"] for p in rule["ports"]} == {mlflow_port}
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}, peer  # no ipBlock, no other namespaces
+                assert selects(peer["podSelector"], job_labels)  # the Job's pods get in
+                assert not selects(peer["podSelector"], mlflow_labels)
+                assert peer["podSelector"]["matchLabels"]  # not "every pod"
+    guarding_job = [
+        p
+        for p in policies.values()
+        if selects(p["spec"]["podSelector"], job_labels)
+        and p["spec"]["podSelector"].get("matchLabels")
+    ]
+    assert guarding_job, "no NetworkPolicy selects the pre-training pods"
+    for policy in guarding_job:
+        for rule in policy["spec"]["ingress"]:
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}
+                assert peer["podSelector"]["matchLabels"] == job_labels  # its own pods only
+
+
+def test_clients_log_in_from_a_secret_never_through_the_uri() -> None:
+    (container,) = _job()["spec"]["template"]["spec"]["containers"]
+    refs = {
+        e["name"]: e["valueFrom"]["secretKeyRef"]
+        for e in container["env"]
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        assert refs[key] == {"name": "bertpipe-mlflow-client", "key": key}
+    userinfo = re.compile(r"https?://[^\s/@'\"]+:[^\s/@'\"]*@")
+    for path in _infra_files():
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            assert not userinfo.search(line), f"{path}:{n}: credentials inside an http(s) URI"
+
+
+_FIXED_TMP = re.compile(r"(?:\$\{TMPDIR:-/tmp\}|\$TMPDIR|\$\{TMPDIR\}|(?<![\w}])/tmp)/[\w.$-]+")
+
+
+def test_no_fixed_names_in_tmp_in_scripts() -> None:
+    """State and pid files live in mktemp names or private folders, not /tmp/<fixed name>,
+    where another user could plant a file (a pid fed to `kill`, code that gets imported)."""
+    sources = [(str(p), p.read_text()) for p in _shell_scripts()]
+    sources += [(where, script) for where, _, script in _embedded_shell()]
+    assert len(sources) >= 12, [w for w, _ in sources]
+    bad = []
+    for where, text in sources:
+        for line in text.splitlines():
+            if line.lstrip().startswith("#"):
+                continue
+            bad += [f"{where}: {m}" for m in _FIXED_TMP.findall(line) if "XXXXXX" not in m]
+            # a folder that defaults to /tmp itself, e.g. ${PID_DIR:-/tmp}/name
+            bad += [f"{where}: {m}" for m in re.findall(r"\$\{(?!TMPDIR:)\w+:-/tmp\}", line)]
+    assert not bad, bad
+    assert _FIXED_TMP.findall('PID_DIR="/tmp/bertpipe-$JOB"') and _FIXED_TMP.findall(
+        'd="${TMPDIR:-/tmp}/dask-$JOB"'
+    )
+    sbatch = (INFRA / "slurm" / "pretrain.sbatch").read_text()
+    assert "/proc/$pid/cmdline" in sbatch  # the stop notice checks whose pid it signals
+
+
 # --------------------------------------------------------------------------- hostfile
 
 
@@ -842,3 +1105,77 @@ def test_pretrain_sbatch_stops_on_an_invalid_plan_and_passes_success_through(
     proc = subprocess.run(_sbatch(config), env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert not (log / "requeued").exists()
+
+
+def test_supervise_refuses_a_pid_file_that_others_can_replace(tmp_path: Path) -> None:
+    supervise = str(BIN / "bertpipe-supervise")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # like /tmp: anyone could swap the file for one naming their pid
+    proc = subprocess.run(
+        [supervise, "true"],
+        env=_env(BERTPIPE_PID_FILE=str(shared / "x.pid")),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "not a private folder" in proc.stderr
+    assert not list(shared.iterdir())
+    # a planted symlink is replaced, not followed
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("untouched")
+    (private / "x.pid").symlink_to(victim)
+    proc = subprocess.run(
+        [supervise, "bash", "-c", 'cat "$BERTPIPE_PID_FILE" >"$0"', str(tmp_path / "seen")],
+        env=_env(BERTPIPE_PID_FILE=str(private / "x.pid")),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert victim.read_text() == "untouched"
+    assert (tmp_path / "seen").read_text().strip().isdigit()
+    assert not (private / "x.pid").exists()  # removed at exit: it held this run's pid
+
+
+@pytest.mark.integration
+def test_pretrain_sbatch_stop_notice_skips_a_pid_that_is_not_bertpipe_supervise(
+    tmp_path: Path,
+) -> None:
+    """The default pid folder is a private mktemp folder of the job; a pid file that names
+    another process (stale, or planted) is not signalled."""
+    config = K8S / "config" / "pretrain.yaml"
+    env, log = _fake_slurm(tmp_path, nodes=1)
+    del env["BERTPIPE_PID_DIR"]  # the default
+    decoy = subprocess.Popen(["sleep", "120"])
+    out = tmp_path / "out"
+    try:
+        with out.open("wb") as f:
+            proc = subprocess.Popen(
+                _sbatch(config),
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            _wait_for([log / "rank-ready-0"], proc)
+            (pid_dir,) = (tmp_path / ".cache" / "slurm").glob("pids-4242.*")
+            assert pid_dir.stat().st_mode & 0o777 == 0o700
+            pid_file = pid_dir / "bertpipe-4242-node0.pid"
+            _wait_for([pid_file], proc)
+            pid_file.write_text(str(decoy.pid))  # someone else's process
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while "not signalled" not in out.read_text() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            time.sleep(0.5)
+            assert decoy.poll() is None, "the decoy process was killed"
+            assert "not bertpipe-supervise: not signalled" in out.read_text()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    finally:
+        decoy.kill()
+        decoy.wait()

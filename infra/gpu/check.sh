@@ -6,7 +6,7 @@
 #
 # It needs .gpu-wheels/ (`make gpu-wheels`, made where PyPI is reachable) and the demo's
 # shards runs/demo/shards/ (`make demo`), both carried beside the checkout. Steps:
-#   1. install the wheels into a folder under /tmp (pip, no index, no dependencies) and put
+#   1. install the wheels into a private folder (mktemp -d; pip, no index, no dependencies), put
 #      it and the checkout on PYTHONPATH, so that `python3 -m bertpipe.cli` runs the CLI;
 #   2. print the versions (python, torch, CUDA, GPU, deepspeed, transformers) and nvidia-smi;
 #   3. (no op compile: AdamW is torch's fused kernel on CUDA, optimizer.fused=auto);
@@ -34,7 +34,9 @@
 #   GPU_CHECK_SHARDS     the demo's shard folder holding seq128/ and seq512/ (default
 #                        runs/demo/shards)
 #   GPU_CHECK_WHEELS     the wheel folder (default .gpu-wheels)
-#   GPU_CHECK_SITE       where the wheels are installed (default /tmp/bertpipe-gpu-site)
+#   GPU_CHECK_SITE       where the wheels are installed (default: site/ in this run's private
+#                        mktemp -d folder, removed at exit; never a fixed name in /tmp, where
+#                        another user could plant code that this check then imports)
 #
 # Exit status: 0 when every run that ran succeeded, 1 when one failed, 2 when the set-up
 # (install, imports, no GPU) failed.
@@ -54,7 +56,6 @@ ONLY=${GPU_CHECK_ONLY:-}
 DRY=${GPU_CHECK_DRY_RUN:-0}
 SHARDS=${GPU_CHECK_SHARDS:-runs/demo/shards}
 WHEELS=${GPU_CHECK_WHEELS:-.gpu-wheels}
-SITE=${GPU_CHECK_SITE:-/tmp/bertpipe-gpu-site}
 HELPER=$ROOT/infra/gpu/gpu_check.py
 RESERVE_S=60
 
@@ -68,6 +69,7 @@ SUMMARY=$OUT_DIR/gpu-check-summary.txt
 : >"$LOG"
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") || exit 2
 trap 'rm -rf "$WORK"' EXIT
+SITE=${GPU_CHECK_SITE:-$WORK/site}
 
 if [[ $SMOKE == 1 ]]; then
     MODE="CPU smoke"
@@ -91,7 +93,8 @@ fi
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/bertpipe-torch-extensions}
+# compiled ops are loaded from here: this run's private folder unless one is given
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$WORK/torch_extensions}
 unset MLFLOW_TRACKING_URI
 # the Python's own bin folder (ninja, for DeepSpeed's just-in-time ops) first on PATH
 if PY_PATH=$(command -v "$PY"); then
