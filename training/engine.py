@@ -20,11 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from bertpipe.errors import BertpipeError
 from bertpipe.launch import detect_launch
 from bertpipe.training.config import PhaseSpec, PretrainConfig, ZeroConfig
 from bertpipe.training.optim import Lamb, attach_zero_partitions, build_optimizer, lr_lambda
 
 log = logging.getLogger(__name__)
+
+
+class UnsafeCheckpointError(BertpipeError):
+    """A checkpoint file holds pickled objects beyond tensors and plain data."""
+
 
 __all__ = ["DistInfo", "build_engine", "deepspeed_config", "ds_config", "init_distributed"]
 
@@ -171,7 +177,63 @@ def build_engine(
     )
     if isinstance(optimizer, Lamb):
         _whole_tensor_trust_ratios(engine, optimizer, model, cfg.zero.stage)
+    weights_only_checkpoints(engine)
     return engine, config
+
+
+# What DeepSpeed's own checkpoints hold besides tensors and plain data (found by loading
+# every ZeRO 0/1/2 x fp32/bf16 x AdamW/LAMB checkpoint with weights_only=True); fp16 adds
+# the dynamic loss scaler.
+_CHECKPOINT_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def _checkpoint_globals() -> list[Any]:
+    import importlib
+
+    found = []
+    for name in _CHECKPOINT_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):  # another DeepSpeed version: not allowed then
+            continue
+    return found
+
+
+def weights_only_checkpoints(engine: Any) -> None:
+    """Make DeepSpeed load this engine's checkpoints with ``torch.load(weights_only=True)``.
+
+    DeepSpeed 0.19's ``TorchCheckpointEngine.load`` unpickles with ``weights_only=False``:
+    whoever can write a checkpoint folder on shared storage would run code on every rank at
+    resume. Its ``load_checkpoint`` takes no loading arguments, so the engine's ``load`` is
+    replaced: tensors, plain data and the few DeepSpeed classes above, nothing else; any
+    other object in a checkpoint file is refused with the file's name.
+    """
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if type(checkpoint_engine).__name__ != "TorchCheckpointEngine":
+        return  # another engine (Nebula, decoupled): its own loading, left as it is
+    import pickle
+
+    allowed = _checkpoint_globals()
+
+    def load(path: str, map_location: Any = None) -> Any:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise UnsafeCheckpointError(
+                f"{path}: holds objects a checkpoint must not ({first[:200]}); refusing to "
+                "unpickle it. Checkpoints hold tensors and plain data only: was this folder "
+                "written by someone else?"
+            ) from None
+
+    checkpoint_engine.load = load
 
 
 def _whole_tensor_trust_ratios(engine: Any, lamb: Lamb, model: nn.Module, stage: int) -> None:

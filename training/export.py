@@ -20,9 +20,11 @@ MLflow's ``pytorch`` flavour) is registered in the model registry.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +46,41 @@ class ExportError(BertpipeError):
     """The checkpoint or tokenizer cannot be exported."""
 
 
+@contextlib.contextmanager
+def _weights_only_everywhere() -> Iterator[None]:
+    """Every ``torch.load`` in the block unpickles tensors, plain data and DeepSpeed's few
+    checkpoint classes only, whatever its caller asks (torch's TORCH_FORCE_WEIGHTS_ONLY_LOAD);
+    a file holding anything else raises instead of running it."""
+    import os
+    import pickle
+
+    from bertpipe.training.engine import UnsafeCheckpointError, _checkpoint_globals
+
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(_checkpoint_globals()):
+            yield
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UnsafeCheckpointError(
+            f"a checkpoint file holds objects a checkpoint must not ({first[:200]}); refusing "
+            "to unpickle it"
+        ) from None
+    finally:
+        if before is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = before
+
+
 def _module_weights(folder: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
     path = Path(folder) / tag
     if zero_stage > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return dict(get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag))
+        with _weights_only_everywhere():  # zero_to_fp32 asks torch.load for full unpickling
+            return dict(get_fp32_state_dict_from_zero_checkpoint(folder, tag=tag))
     files = sorted(path.glob("mp_rank_*_model_states.pt"))
     if not files:
         raise ExportError(f"{path} has no mp_rank_00_model_states.pt: not a DeepSpeed checkpoint")
