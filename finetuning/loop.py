@@ -312,6 +312,7 @@ class Finetuner:
                 tags=tags,
                 parent_run_id=self.init.pretrain_run_id,
                 nested_in=nested_in,
+                buffer=tracking.buffer_path(self.output),
             )
         else:
             import contextlib
@@ -485,11 +486,9 @@ class Finetuner:
             (best / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     def _log_final(self, result: FinetuneResult, upload_model: bool) -> None:
-        import mlflow
-
         tracking.log_metrics({f"best/{k}": v for k, v in result.metrics.items()})
         tracking.log_metrics({"best/epoch": result.best_epoch, "best/step": result.best_step})
-        mlflow.log_dict(
+        tracking.log_dict(
             {
                 "task": self.data.spec.name,
                 "kind": self.data.spec.kind,
@@ -501,10 +500,10 @@ class Finetuner:
             "finetune_summary.json",
         )
         if (self.output / "predictions").exists():
-            mlflow.log_artifacts(str(self.output / "predictions"), "predictions")
+            tracking.log_artifacts(str(self.output / "predictions"), "predictions")
         best = self.output / "best"
         if self.cfg.save_model and upload_model and best.exists():
-            mlflow.log_artifacts(str(best), "model")
+            tracking.log_artifacts(str(best), "model")
         if self.cfg.register and best.exists():
             result.registered_model = register_best(best, self.cfg.register)
 
