@@ -23,7 +23,13 @@ from bertpipe import fsio
 
 log = logging.getLogger(__name__)
 
-__all__ = ["add_demo_command", "run_demo"]
+__all__ = ["add_demo_command", "run_demo", "unigram_baseline"]
+
+FINETUNE_SEEDS = (1, 2, 3)
+"""Each initialisation is fine-tuned once per seed; the summary gives the mean and range."""
+TASK_TRAIN_PER_LABEL = 32
+"""Labelled training paragraphs per package (128 in all): few enough that the task needs more
+than word identity learnt from scratch (see docs/training.md, "What pre-training buys")."""
 
 
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
@@ -59,8 +65,8 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
         ("pretrain", lambda: _pretrain(out, common)),
         ("export", lambda: _export(out)),
         ("task", lambda: _task(out)),
-        ("finetune-pretrained", lambda: _finetune(out, common, random_init=False)),
-        ("finetune-random", lambda: _finetune(out, common, random_init=True)),
+        ("finetune-pretrained", lambda: _finetune_seeds(out, common, random_init=False)),
+        ("finetune-random", lambda: _finetune_seeds(out, common, random_init=True)),
     ]
     started = time.monotonic()
     for name, step in steps:
@@ -119,7 +125,8 @@ def _preprocess(out: Path, common: list[str]) -> object:
             "input.format=jsonl",
             f"tokenizer={out / 'tokenizer'}",
             f"output={out / 'shards'}",
-            "dupe_factor=2",
+            "dupe_factor=5",
+            "masking.mode=none",  # dynamic masking: new masks every epoch of the small corpus
             "heldout_fraction=0.02",
             "overwrite=true",
             "tracking.run_name=demo-preprocess",
@@ -171,17 +178,21 @@ def _export(out: Path) -> object:
 def _task(out: Path) -> tuple[str, str]:
     from bertpipe.finetuning.sample_task import write_python_docs_task
 
-    return write_python_docs_task(str(out / "task"))
+    return write_python_docs_task(str(out / "task"), train_per_label=TASK_TRAIN_PER_LABEL)
 
 
-def _finetune(out: Path, common: list[str], *, random_init: bool) -> object:
+def _finetune_seeds(out: Path, common: list[str], *, random_init: bool) -> list[object]:
+    return [_finetune(out, common, random_init=random_init, seed=seed) for seed in FINETUNE_SEEDS]
+
+
+def _finetune(out: Path, common: list[str], *, random_init: bool, seed: int = 1) -> object:
     """The Python-docs paragraph classification task, from the export or from random weights
     (the same architecture): the comparison shows what pre-training is worth here."""
     from bertpipe.config import load_config
     from bertpipe.finetuning.config import FinetuneConfig
     from bertpipe.finetuning.loop import run_finetuning
 
-    name = "random" if random_init else "pretrained"
+    name = f"{'random' if random_init else 'pretrained'}-seed{seed}"
     cfg = load_config(
         FinetuneConfig,
         None,
@@ -194,9 +205,10 @@ def _finetune(out: Path, common: list[str], *, random_init: bool) -> object:
             "task.name=python-docs",
             f"task.train={out / 'task' / 'train.tsv'}",
             f"task.dev=[{out / 'task' / 'dev.tsv'}]",
-            "epochs=6",
-            "batch_size=32",
-            "learning_rate=5e-4",
+            "epochs=10",
+            "batch_size=16",
+            "learning_rate=2e-3",
+            f"seed={seed}",
             f"tracking.run_name=demo-finetune-{name}",
             *common,
         ],
@@ -205,7 +217,7 @@ def _finetune(out: Path, common: list[str], *, random_init: bool) -> object:
 
 
 def _compare(out: Path, uri: str) -> None:
-    """The runs-compare table of the two fine-tuning runs and their accuracy curves."""
+    """The runs-compare table of the fine-tuning runs and their accuracy curves."""
     from bertpipe.cli_runs import print_comparison
     from bertpipe.runs import CompareQuery
 
@@ -224,6 +236,36 @@ def _compare(out: Path, uri: str) -> None:
     )
 
 
+def unigram_baseline(shards: Path) -> float:
+    """Held-out MLM accuracy of always predicting the most frequent masked token of the
+    training split: with static masking the targets in the shards; with dynamic masking
+    (``masking: none``) every non-special token, which the loader masks with equal chance
+    (the expected accuracy). nan without targets."""
+    import collections
+    import json
+
+    import numpy as np
+
+    from bertpipe.preprocessing.shard_format import read_shard
+
+    manifest = json.loads((shards / "manifest.json").read_text())
+    special = np.array(sorted(manifest.get("special_token_ids", {}).values()), dtype=np.int64)
+    counts: dict[str, collections.Counter[int]] = {}
+    for split in ("train", "heldout"):
+        counts[split] = collections.Counter()
+        for shard in manifest["splits"].get(split, {}).get("shards", []):
+            for _, block in read_shard(str(shards / shard["file"])):
+                if manifest.get("masking") == "none":
+                    tokens = block.tokens.astype(np.int64)
+                    counts[split].update(tokens[~np.isin(tokens, special)].tolist())
+                else:
+                    counts[split].update(block.mlm_ids.tolist())
+    if not counts["train"] or not counts["heldout"]:
+        return float("nan")
+    top = counts["train"].most_common(1)[0][0]
+    return counts["heldout"][top] / sum(counts["heldout"].values())
+
+
 def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: float) -> None:
     lines = [
         "",
@@ -236,22 +278,35 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
             f"{info['shards']} shards)"
         )
     nan = float("nan")
-    for name, info in results["pretrain"].items():  # type: ignore[attr-defined]
+    for (name, info), shards in zip(
+        results["pretrain"].items(),  # type: ignore[attr-defined]
+        results["preprocess"],  # type: ignore[arg-type]
+        strict=False,
+    ):
         lines.append(
             f"  {name:11s} step {info['global_step']}: held-out loss {info.get('loss', nan):.3f}, "
-            f"MLM accuracy {info.get('mlm_accuracy', nan):.3f}, "
+            f"MLM accuracy {info.get('mlm_accuracy', nan):.3f} (unigram baseline "
+            f"{unigram_baseline(out / 'shards' / shards):.3f}), "
             f"NSP accuracy {info.get('nsp_accuracy', nan):.3f}"
         )
     lines.append(
         f"  export      {out / 'bert-tiny-hf'}  (transformers BertForPreTraining + tokenizer)"
     )
+    means = {}
     for name in ("pretrained", "random"):
-        result = results[f"finetune-{name}"]
-        metric = result.main_metric  # type: ignore[attr-defined]
+        runs: list = results[f"finetune-{name}"]  # type: ignore[assignment]
+        metric = runs[0].main_metric
+        values = [r.metrics[metric] for r in runs]
+        means[name] = sum(values) / len(values)
         lines.append(
-            f"  finetune    from {name} weights: dev {metric} "
-            f"{result.metrics[metric]:.3f} (epoch {result.best_epoch})"  # type: ignore[attr-defined]
+            f"  finetune    from {name + ' weights:':19s} dev {metric} mean {means[name]:.3f} "
+            f"(min {min(values):.3f}, max {max(values):.3f}; seeds "
+            f"{', '.join(f'{v:.3f}' for v in values)})"
         )
+    lines.append(
+        f"  pre-training buys {means['pretrained'] - means['random']:+.3f} dev accuracy with "
+        f"{TASK_TRAIN_PER_LABEL} labelled paragraphs per class ({len(FINETUNE_SEEDS)} seeds each)"
+    )
     lines += [
         "",
         "Look at the runs in MLflow:",
