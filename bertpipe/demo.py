@@ -218,15 +218,21 @@ def _finetune(out: Path, common: list[str], *, random_init: bool, seed: int = 1)
 
 def _compare(out: Path, uri: str) -> None:
     """The runs-compare table of the fine-tuning runs and their accuracy curves."""
+    import json
+
     from bertpipe.cli_runs import print_comparison
     from bertpipe.runs import CompareQuery
 
+    # this demo's runs only: an earlier demo in the same folder left its runs in the store
+    export = json.loads((out / "bert-tiny-hf" / "bertpipe_export.json").read_text())
+    pretrain_run = export.get("source_run_id")
     sys.stdout.write("\nFine-tuning runs (bertpipe runs compare):\n")
     print_comparison(
         CompareQuery(
             experiment="bertpipe-demo",
             tracking_uri=uri,
             stage="finetune",
+            tags={"bertpipe.parent_run_id": pretrain_run} if pretrain_run else {},
             metrics=["eval/accuracy", "eval/macro_f1", "train/loss"],
             sort="eval/accuracy",
         ),
