@@ -7,6 +7,11 @@ cached in the project, tokenizers without fork warnings, MLflow never at a defau
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,53 +109,81 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def mlflow_server(tmp_path: Path) -> Iterator[str]:
+class MlflowServer:
     """A real ``mlflow server`` (sqlite backend with model registry, artifacts served from
-    ``<tmp_path>/server-artifacts``) on a free local port; yields its http:// URI and stops
-    it afterwards."""
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+    ``<folder>/server-artifacts``) on a fixed free port, which a test can stop and start
+    again on the same port and store."""
 
-    port = free_port()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{tmp_path / 'server.db'}",
-            "--artifacts-destination",
-            str(tmp_path / "server-artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--backend-store-uri",
+                f"sqlite:///{self.folder / 'server.db'}",
+                "--artifacts-destination",
+                str(self.folder / "server-artifacts"),
+                "--workers",
+                "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: stop() ends its workers too
+        )
+        deadline = time.monotonic() + 180
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return
             except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
                     raise
                 time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.terminate()
+
+    @property
+    def up(self) -> bool:
+        return self.proc is not None
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        proc, self.proc = self.proc, None
         try:
-            server.wait(timeout=30)
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            proc.wait()
+        deadline = time.monotonic() + 30  # until the port refuses connections
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.uri}/health", timeout=1).close()
+            except OSError:
+                return
+            time.sleep(0.2)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path) -> Iterator[str]:
+    """A running :class:`MlflowServer` for the test; yields its http:// URI."""
+    server = MlflowServer(tmp_path)
+    server.start()
+    try:
+        yield server.uri
+    finally:
+        server.stop()

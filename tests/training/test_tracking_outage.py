@@ -6,12 +6,6 @@ and replayed later (fine-tuning with the server down for the whole training)."""
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -20,83 +14,16 @@ import pytest
 from bertpipe import tracking
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.trainer import run_pretraining
-from tests.conftest import free_port
+from tests.conftest import MlflowServer
 from tests.finetuning.conftest import pretrained  # noqa: F401 (a fixture)
 from tests.training.test_pretrain import _cfg
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-class _Server:
-    """``mlflow server`` on a fixed port and store, which the test can stop and start."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.port = free_port()
-        self.uri = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlflow",
-                "server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--backend-store-uri",
-                f"sqlite:///{self.folder / 'server.db'}",
-                "--artifacts-destination",
-                str(self.folder / "server-artifacts"),
-                "--workers",
-                "1",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its own process group: stop() ends its workers too
-        )
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise
-                time.sleep(0.5)
-
-    @property
-    def up(self) -> bool:
-        return self.proc is not None
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        proc, self.proc = self.proc, None
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            proc.wait()
-        deadline = time.monotonic() + 30  # until the port refuses connections
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.uri}/health", timeout=1).close()
-            except OSError:
-                return
-            time.sleep(0.2)
-
-
 @pytest.fixture
 def server(tmp_path: Path) -> Any:
-    s = _Server(tmp_path)
+    s = MlflowServer(tmp_path)
     s.start()
     try:
         yield s
@@ -111,7 +38,7 @@ def _messages(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
 def test_pretraining_survives_a_server_outage(
     pretrain_shards: Path,
     tmp_path: Path,
-    server: _Server,
+    server: MlflowServer,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -153,7 +80,7 @@ def test_pretraining_survives_a_server_outage(
 def test_finetuning_with_the_server_down_completes_and_replays_later(
     pretrained: Path,  # noqa: F811
     tmp_path: Path,
-    server: _Server,
+    server: MlflowServer,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
