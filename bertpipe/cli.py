@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from bertpipe import __version__, fsio
 from bertpipe.config import load_config, to_yaml
-from bertpipe.errors import BertpipeError
+from bertpipe.errors import BertpipeError, TransientError
 from bertpipe.logs import setup_logging
 
 log = logging.getLogger("bertpipe")
@@ -231,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"bertpipe: error: {message}", file=sys.stderr)
-        return 2
+        return 75 if isinstance(exc, TransientError) else 2  # EX_TEMPFAIL: retry the job
     except KeyboardInterrupt:
         print("bertpipe: interrupted", file=sys.stderr)
         return 130

@@ -1,13 +1,25 @@
 """The base class of errors caused by the user's input rather than by a bug.
 
 The command line prints these as one line (``bertpipe: error: ...``) and exits with status 2;
-anything else is a bug and keeps its traceback.
+anything else is a bug and keeps its traceback. :class:`TransientError` (storage that stayed
+unreadable after the retries) exits with 75 (``EX_TEMPFAIL``) instead: rerunning the same
+command may succeed, so schedulers retry it (docs/training.md, "Exit codes").
 """
 
 from __future__ import annotations
 
-__all__ = ["BertpipeError"]
+__all__ = ["TEMPFAIL_EXIT_CODE", "BertpipeError", "TransientError"]
+
+TEMPFAIL_EXIT_CODE = 75
+"""``EX_TEMPFAIL`` of sysexits.h: a temporary failure, the same command may succeed later."""
 
 
 class BertpipeError(Exception):
     """Bad input, config or environment; the message says which and what to do."""
+
+
+class TransientError(BertpipeError):
+    """Storage that may come back (an I/O error, a timeout, a lost connection) still failed
+    after the configured retries; exit status 75, the job is retried (not bad input)."""
+
+    exit_code = TEMPFAIL_EXIT_CODE

@@ -1,4 +1,4 @@
-"""fsspec helpers shared by every stage: URLs, globs, atomic writes.
+"""fsspec helpers shared by every stage: URLs, globs, atomic writes, retried reads.
 
 Everything that touches storage goes through fsspec, so a local path, ``memory://``,
 ``s3://`` or ``gs://`` behave the same (the cloud ones need their fsspec backend installed:
@@ -8,31 +8,45 @@ Everything that touches storage goes through fsspec, so a local path, ``memory:/
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import os
 import posixpath
 import re
+import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
-from typing import IO, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, TypeVar
 
 import fsspec
 from fsspec.core import OpenFile
 
-from bertpipe.errors import BertpipeError
+from bertpipe.errors import BertpipeError, TransientError
 
 __all__ = [
     "NoMatchError",
+    "RetryPolicy",
+    "TransientError",
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_writer",
+    "backoff",
     "exists",
     "expand_urls",
+    "file_sha256",
+    "give_up",
+    "is_transient",
     "join",
     "list_files",
     "open_url",
     "remove",
+    "retried",
     "to_fs",
 ]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class NoMatchError(BertpipeError, FileNotFoundError):
@@ -180,3 +194,102 @@ def _unstrip(fs: fsspec.AbstractFileSystem, original: str, path: str) -> str:
     if "://" not in original:
         return path
     return str(fs.unstrip_protocol(path))
+
+
+# ---------------------------------------------------------------- retried reads
+
+_TRANSIENT_NAMES = ("Timeout", "ConnectionError", "ConnectError", "ServiceUnavailable", "Throttl")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` is a storage error that may go away: an ``OSError`` (I/O error, permission
+    or file briefly gone on a shared filesystem, ``TimeoutError``, ``ConnectionError``) or a
+    cloud client's timeout / connection error (botocore, aiohttp, fsspec ``FSTimeoutError``).
+    Not a corrupt file (``tarfile.TarError``, ``ValueError``) or a bad manifest."""
+    if isinstance(exc, NoMatchError | BertpipeError):
+        return False
+    if isinstance(exc, OSError | TimeoutError):
+        return True
+    return any(any(part in cls.__name__ for part in _TRANSIENT_NAMES) for cls in type(exc).__mro__)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded exponential backoff for storage reads: ``retries`` more attempts after the
+    first, waiting ``delay`` seconds, doubling each time up to ``max_delay``."""
+
+    retries: int = 4
+    delay: float = 0.5
+    max_delay: float = 30.0
+
+    def waits(self) -> Iterator[float]:
+        wait = self.delay
+        for _ in range(self.retries):
+            yield min(wait, self.max_delay)
+            wait *= 2
+
+
+def retried(
+    fn: Callable[[], T],
+    what: str,
+    policy: RetryPolicy | None = None,
+    transient: Callable[[BaseException], bool] = is_transient,
+) -> T:
+    """``fn()``, called again after a transient error (:func:`is_transient`) with
+    ``policy``'s backoff; other errors pass through at once. Still failing after the last
+    retry: :class:`TransientError` naming ``what`` (exit status 75: the job is retried)."""
+    policy = policy or RetryPolicy()
+    waits = policy.waits()
+    attempt = 1
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            wait = next(waits, None)
+            if wait is None:
+                raise give_up(what, exc, attempt, policy) from exc
+            backoff(what, exc, wait, attempt, policy)
+            attempt += 1
+
+
+def give_up(what: str, exc: BaseException, attempts: int, policy: RetryPolicy) -> TransientError:
+    """The one-line error after the last retry of ``what`` failed with ``exc``."""
+    return TransientError(
+        f"{what}: {type(exc).__name__}: {_first_line(exc)} (still failing after {attempts} "
+        f"attempt(s) over {sum(policy.waits()):.1f} s); the storage may be unavailable: rerun "
+        "the same command to resume"
+    )
+
+
+def backoff(what: str, exc: BaseException, wait: float, attempt: int, policy: RetryPolicy) -> None:
+    """Log the failed ``attempt`` of ``what`` and sleep ``wait`` seconds before the next."""
+    log.warning(
+        "%s: %s: %s; retrying in %.1f s (attempt %d of %d)",
+        what,
+        type(exc).__name__,
+        _first_line(exc),
+        wait,
+        attempt + 1,
+        policy.retries + 1,
+    )
+    time.sleep(wait)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def file_sha256(url: str) -> str:
+    """The sha256 of the file at ``url`` (``hashlib.file_digest``: read in large chunks)."""
+    with open_url(url, "rb") as f:
+        try:
+            return hashlib.file_digest(f, "sha256").hexdigest()  # type: ignore[arg-type]
+        except (TypeError, ValueError, AttributeError):  # a file object without readinto
+            f.seek(0)
+            digest = hashlib.sha256()
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+            return digest.hexdigest()

@@ -32,12 +32,15 @@ import torch
 import torch.distributed as dist
 
 from bertpipe import fsio
+from bertpipe.errors import BertpipeError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointState",
+    "DataChangedError",
     "capture_rng",
+    "check_data",
     "latest_tag",
     "prune",
     "read_state",
@@ -77,6 +80,39 @@ class CheckpointState:
     skipped_steps: int = 0
     """Optimizer steps skipped for a non-finite loss or gradient, over all phases."""
     version: int = STATE_VERSION
+
+
+class DataChangedError(BertpipeError):
+    """A resume whose data manifest differs from the one the checkpoint was trained on."""
+
+
+def check_data(
+    state: CheckpointState, current: dict[str, str], tag: str, allow: bool = False
+) -> list[str]:
+    """Compare the manifest sha256 of every phase the checkpoint has trained on (its phase
+    and the ones before it) with ``current`` (phase name -> sha256 of the manifest now).
+
+    A difference raises :class:`DataChangedError` (one line naming the phase and both
+    checksums) unless ``allow`` (``checkpoint.allow_data_change``), which logs a warning
+    instead. Returns the phases that differ. Checkpoints without checksums pass.
+    """
+    phases = list(state.data_sha256)
+    trained = phases[: state.phase_index + 1] if state.phase in phases else phases
+    changed = [p for p in trained if p in current and state.data_sha256[p] != current[p]]
+    for phase in changed:
+        message = (
+            f"checkpoint {tag} was trained on {phase} data with manifest sha256 "
+            f"{state.data_sha256[phase]}, the phase's data now has manifest sha256 "
+            f"{current[phase]}"
+        )
+        if not allow:
+            raise DataChangedError(
+                f"{message}: the data changed since (regenerated?), so the saved data position "
+                "would point into other data; restore the data it was trained on, or resume "
+                "anyway with checkpoint.allow_data_change=true"
+            )
+        log.warning("%s; resuming anyway (checkpoint.allow_data_change=true)", message)
+    return changed
 
 
 def capture_rng() -> dict[str, Any]:

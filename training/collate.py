@@ -47,6 +47,8 @@ __all__ = [
     "PAD_MULTIPLE",
     "BatchCutter",
     "DynamicMasking",
+    "IdRangeError",
+    "check_ids",
     "collate_block",
     "cut_batches",
     "pack_batch",
@@ -111,6 +113,32 @@ class DynamicMasking:
             whole_word=self.whole_word,
             continuation=continuation,
         )
+
+
+class IdRangeError(BertpipeError):
+    """A token or label id outside the vocabulary: the shard does not match its manifest."""
+
+
+def check_ids(block: InstanceBlock, vocab_size: int, where: str) -> None:
+    """Raise :class:`IdRangeError` naming ``where`` (the shard and sample) if a token id or MLM
+    label id of ``block`` lies outside ``[0, vocab_size)``.
+
+    Without this, an id past the vocabulary fails the embedding lookup with an IndexError
+    that names no shard (a device-side assert on GPU), and an id between the vocabulary and
+    its padded size (the model's embedding has rows up to a multiple of 8 or 64) trains
+    silently on a row no token maps to. Costs a min and max per block.
+    """
+    for name, ids in (("token id", block.tokens), ("label id", block.mlm_ids)):
+        if not ids.size:
+            continue
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise IdRangeError(
+                f"{where}: {name} {bad} is outside the vocabulary of {vocab_size} tokens: "
+                "the shard was not written with this manifest's tokenizer, or is corrupt; "
+                "rerun `bertpipe preprocess`"
+            )
 
 
 def round_up(n: int, multiple: int = PAD_MULTIPLE) -> int:

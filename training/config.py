@@ -225,6 +225,22 @@ class DataConfig:
     """Blocks (samples of instances) mixed in a rank's shuffle buffer."""
     heldout_split: str = "heldout"
     """Split evaluated during pre-training."""
+    read_retries: int = 4
+    """Retries of a shard or manifest read that failed with an error that may be transient
+    (I/O error, file briefly unreadable or gone, timeout, lost connection), with exponential
+    backoff: ``read_retry_delay`` seconds, doubling, at most 30 s between attempts. Still
+    failing: exit status 75 (the job is retried). A corrupt shard is not retried (exit 2)."""
+    read_retry_delay: float = 0.5
+    """First wait before a retried read, in seconds (doubles with every retry)."""
+    verify_checksums: bool = True
+    """Check each shard's sha256 against its manifest when a loader process first opens it
+    (and again if the file changes); false skips it, for trusted storage."""
+
+    def __post_init__(self) -> None:
+        if self.read_retries < 0:
+            raise ConfigError("read_retries", "must be at least 0")
+        if self.read_retry_delay < 0:
+            raise ConfigError("read_retry_delay", "must be at least 0")
 
 
 @dataclass
@@ -259,6 +275,10 @@ class CheckpointConfig:
     with DeepSpeed's ``python -m deepspeed.checkpoint.ds_to_universal --input_folder
     <dir>/global_stepN --output_folder <dir>/global_stepN_universal``, then resume with
     ``checkpoint.resume=global_stepN_universal checkpoint.universal=true``."""
+    allow_data_change: bool = False
+    """Resume even if a phase's data manifest differs from the one the checkpoint was trained
+    on (its sha256 is stored in the checkpoint). By default such a resume is refused: the
+    saved data position would point into other data."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:

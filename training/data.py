@@ -29,6 +29,15 @@ its node/worker splitting (which raises under DDP and gives ranks unequal counts
 replaced by the partition above. Members of blocks a slot does not need are skipped unread
 (``select_files``) and a shard is closed as soon as the slot's last block of it was read.
 Blocks are decoded by ``InstanceBlock.from_sample`` (``.npy`` with ``allow_pickle=False``).
+
+Faults: a read that fails with an error that may be transient (``OSError``: I/O error, file
+briefly unreadable or gone; timeouts; lost connections) is retried with exponential backoff
+(``data.read_retries``, ``data.read_retry_delay``), resuming after the last block delivered;
+still failing, :class:`~bertpipe.errors.TransientError` (exit status 75: retry the job). A
+corrupt shard (tar or ``.npy`` errors, counts that disagree with the manifest), a shard whose
+sha256 differs from its manifest's (checked when a process first opens it,
+``data.verify_checksums``) and token or label ids outside the vocabulary are
+:class:`DataError` (exit status 2), naming the shard.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import json
 import logging
 import posixpath
 import tarfile
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,10 +60,17 @@ from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from bertpipe import fsio
 from bertpipe.errors import BertpipeError
+from bertpipe.fsio import RetryPolicy
 from bertpipe.preprocessing.masking import MaskingSpec, mask_block
 from bertpipe.preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION, InstanceBlock
 from bertpipe.seeding import rng_for
-from bertpipe.training.collate import DynamicMasking, cut_batches, pack_batch, unpack_batch
+from bertpipe.training.collate import (
+    DynamicMasking,
+    check_ids,
+    cut_batches,
+    pack_batch,
+    unpack_batch,
+)
 from bertpipe.training.config import DataConfig, EvalConfig, PhaseSpec
 
 __all__ = [
@@ -66,6 +83,7 @@ __all__ = [
     "build_pretraining_data",
     "load_manifest",
     "partition_blocks",
+    "read_bytes",
 ]
 
 log = logging.getLogger(__name__)
@@ -83,6 +101,8 @@ class ShardInfo:
     url: str
     instances: int
     samples: int
+    sha256: str | None = None
+    """The shard's checksum as the manifest lists it (None in manifests without one)."""
 
 
 @dataclass(frozen=True)
@@ -113,12 +133,30 @@ class Manifest:
         return out
 
 
-def load_manifest(folder: str) -> Manifest:
-    """Read and validate ``<folder>/manifest.json``; checks that every listed shard exists."""
+def _read_bytes(url: str) -> bytes:
+    with fsio.open_url(url, "rb") as f:
+        return bytes(f.read())
+
+
+def read_bytes(url: str, retry: RetryPolicy | None = None) -> bytes:
+    """The bytes of ``url`` (a manifest), transient errors retried with ``retry``'s backoff; a
+    missing file raises ``FileNotFoundError`` at once (a wrong path is not transient)."""
+    what = f"reading {url}"
+    return fsio.retried(lambda: _read_bytes(url), what, retry, _transient_unless_missing)
+
+
+def _transient_unless_missing(exc: BaseException) -> bool:
+    """Transient, except a file that is not there (a wrong path, not a storage hiccup)."""
+    return not isinstance(exc, FileNotFoundError) and fsio.is_transient(exc)
+
+
+def load_manifest(folder: str, retry: RetryPolicy | None = None) -> Manifest:
+    """Read and validate ``<folder>/manifest.json``; checks that every listed shard exists.
+
+    Transient read errors are retried with ``retry``'s backoff (a missing manifest is not)."""
     url = fsio.join(folder, "manifest.json")
     try:
-        with fsio.open_url(url, "rb") as f:
-            raw = json.loads(f.read())
+        raw = json.loads(read_bytes(url, retry))
     except FileNotFoundError:
         raise DataError(
             f"no manifest at {url}: point the phase's data at a folder written by "
@@ -143,7 +181,11 @@ def load_manifest(folder: str) -> Manifest:
         for name, split in raw["splits"].items():
             shards = tuple(
                 ShardInfo(
-                    s["file"], fsio.join(folder, s["file"]), int(s["instances"]), int(s["samples"])
+                    s["file"],
+                    fsio.join(folder, s["file"]),
+                    int(s["instances"]),
+                    int(s["samples"]),
+                    str(s["sha256"]) if s.get("sha256") else None,
                 )
                 for s in split["shards"]
             )
@@ -169,7 +211,10 @@ def load_manifest(folder: str) -> Manifest:
     if manifest.masking not in ("static", "none"):
         raise fail(f"masking {manifest.masking!r} is neither 'static' nor 'none'")
     fs, path = fsio.to_fs(folder)
-    present = {posixpath.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)}
+    listing = fsio.retried(
+        lambda: fs.ls(path, detail=False), f"listing {folder}", retry, _transient_unless_missing
+    )
+    present = {posixpath.basename(p.rstrip("/")) for p in listing}
     missing = [s.url for shards in splits.values() for s in shards if s.file not in present]
     if missing:
         raise DataError(
@@ -243,6 +288,8 @@ class _Plan:
     batches_per_slot: int
     block_sizes: tuple[np.ndarray, ...]
     masking: MaskingSpec | None
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    verify_checksums: bool = True
 
     def slot_runs(self, epoch: int, slot: int) -> list[Run]:
         """The runs slot ``slot`` reads in ``epoch``, in reading order."""
@@ -286,13 +333,18 @@ class _Plan:
         for shard, group in itertools.groupby(refs, key=lambda r: r[0]):
             info = shards[shard]
             wanted = [b for _, b in group]
-            for number, key, block in _read_shard_blocks(info.url, wanted):
+            sha256 = info.sha256 if self.verify_checksums else None
+            blocks = _read_shard_blocks(
+                info.url, wanted, retry=self.retry, sha256=sha256, manifest_url=self.manifest.url
+            )
+            for number, key, block in blocks:
                 expected = int(self.block_sizes[shard][number])
                 if len(block) != expected:
                     raise DataError(
                         f"{info.url}: sample {key} holds {len(block)} instances, the manifest "
                         f"{self.manifest.url} says {expected}: rerun `bertpipe preprocess`"
                     )
+                check_ids(block, self.manifest.vocab_size, f"shard {info.url} sample {key}")
                 if self.masking is not None:
                     rng = rng_for(self.seed, "dynamic-mask", epoch, info.file, key)
                     block = mask_block(block, self.masking, rng)
@@ -304,29 +356,103 @@ def _block_number(name: str) -> int:
     return int(name.split(".", 1)[0].rsplit("-", 1)[1])
 
 
-def _read_shard_blocks(url: str, wanted: list[int]) -> Iterator[tuple[int, str, InstanceBlock]]:
-    """Yield ``(number, key, block)`` for the blocks ``wanted`` (ascending) of one shard."""
+_verified: dict[str, tuple[Any, ...]] = {}
+"""Shards whose checksum this process verified: URL -> (size, modification time, ...) then."""
+_verified_lock = threading.Lock()
+
+
+def _file_signature(url: str) -> tuple[Any, ...]:
+    fs, path = fsio.to_fs(url)
+    info = fs.info(path)
+    keys = ("size", "mtime", "created", "LastModified", "ETag", "etag", "md5Hash", "ino")
+    return tuple(str(info.get(k)) for k in keys)
+
+
+def _verify_shard(url: str, sha256: str, manifest_url: str) -> None:
+    """Check the shard's sha256 against its manifest once per process (again if the file's
+    size or modification time changed since); a mismatch is a one-line :class:`DataError`."""
+    signature = _file_signature(url)
+    with _verified_lock:
+        if _verified.get(url) == signature:
+            return
+    actual = fsio.file_sha256(url)
+    if actual != sha256:
+        raise DataError(
+            f"shard {url} has sha256 {actual}, its manifest {manifest_url} lists {sha256}: the "
+            "shard was changed or damaged after `bertpipe preprocess` wrote it; rerun it (or "
+            "restore the shard)"
+        )
+    with _verified_lock:
+        _verified[url] = signature
+
+
+def _read_shard_blocks(
+    url: str,
+    wanted: list[int],
+    *,
+    retry: RetryPolicy | None = None,
+    sha256: str | None = None,
+    manifest_url: str = "",
+) -> Iterator[tuple[int, str, InstanceBlock]]:
+    """Yield ``(number, key, block)`` for the blocks ``wanted`` (ascending) of one shard.
+
+    With ``sha256`` the shard's checksum is verified first (:func:`_verify_shard`). A
+    transient read error (:func:`bertpipe.fsio.is_transient`) reopens the shard after
+    ``retry``'s backoff and continues after the last block yielded; a corrupt shard is a
+    :class:`DataError` at once.
+    """
+    policy = retry or RetryPolicy()
+    waits = policy.waits()
+    attempt = 1
+    seen: list[int] = []
+    left = list(wanted)
+    while left:
+        try:
+            if sha256 is not None:
+                _verify_shard(url, sha256, manifest_url)
+            for number, key, block in _read_shard_once(url, left):
+                seen.append(number)
+                yield number, key, block
+            break
+        except BertpipeError:
+            raise
+        except (tarfile.TarError, ValueError, IndexError, EOFError) as exc:
+            detail = exc.args[0] if exc.args else type(exc).__name__
+            raise DataError(
+                f"cannot read shard {url}: {detail}; rerun `bertpipe preprocess`"
+            ) from exc
+        except Exception as exc:
+            if not fsio.is_transient(exc):
+                raise
+            wait = next(waits, None)
+            if wait is None:
+                raise fsio.give_up(f"reading shard {url}", exc, attempt, policy) from exc
+            fsio.backoff(f"reading shard {url}", exc, wait, attempt, policy)
+            attempt += 1
+            done = set(seen)
+            left = [b for b in wanted if b not in done]
+    if seen != wanted:
+        missing = sorted(set(wanted) - set(seen))[:3]
+        raise DataError(f"shard {url} lacks samples {missing} that its manifest lists")
+
+
+def _read_shard_once(url: str, wanted: list[int]) -> Iterator[tuple[int, str, InstanceBlock]]:
+    """One pass over the shard: ``(number, key, block)`` of the blocks ``wanted``, in order,
+    stopping after the last of them (errors pass through to the caller's retry)."""
     want = set(wanted)
     last = wanted[-1]
-    seen: list[int] = []
-    try:
-        with fsio.open_url(url, "rb") as stream:
-            members = tar_file_expander(
-                [{"url": url, "stream": stream}],
-                select_files=lambda name: _block_number(name) in want,
-            )
-            for sample in group_by_keys(members):
-                number = _block_number(sample["__key__"])
-                seen.append(number)
-                yield number, sample["__key__"], InstanceBlock.from_sample(sample)
-                if number == last:
-                    break
-    except (tarfile.TarError, OSError, ValueError, IndexError, EOFError) as exc:
-        detail = exc.args[0] if exc.args else type(exc).__name__
-        raise DataError(f"cannot read shard {url}: {detail}; rerun `bertpipe preprocess`") from exc
-    if seen != wanted:
-        missing = sorted(want - set(seen))[:3]
-        raise DataError(f"shard {url} lacks samples {missing} that its manifest lists")
+    with fsio.open_url(url, "rb") as stream:
+        members = tar_file_expander(
+            [{"url": url, "stream": stream}],
+            select_files=lambda name: _block_number(name) in want,
+        )
+        for sample in group_by_keys(members):
+            number = _block_number(sample["__key__"])
+            if number not in want:
+                continue
+            yield number, sample["__key__"], InstanceBlock.from_sample(sample)
+            if number == last:
+                break
 
 
 class _SlotDataset(IterableDataset):
@@ -390,6 +516,9 @@ class PretrainingData:
         train: bool = True,
         max_batches: int | None = None,
         pin_memory: bool = False,
+        read_retries: int = 4,
+        read_retry_delay: float = 0.5,
+        verify_checksums: bool = True,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -397,7 +526,8 @@ class PretrainingData:
             raise ValueError("micro_batch_size and shuffle_blocks must be >= 1, num_workers >= 0")
         if max_batches is not None and max_batches < 1:
             raise ValueError("max_batches must be at least 1 (None: the whole split)")
-        self.manifest = m = load_manifest(url)
+        retry = RetryPolicy(retries=read_retries, delay=read_retry_delay)
+        self.manifest = m = load_manifest(url, retry)
         if split not in self.manifest.splits:
             raise DataError(
                 f"{self.manifest.url} has no split {split!r} (it has "
@@ -434,6 +564,8 @@ class PretrainingData:
             batches_per_slot=batches,
             block_sizes=tuple(sizes),
             masking=spec,
+            retry=retry,
+            verify_checksums=verify_checksums,
         )
         self.split = split
         self.micro_batch_size = micro_batch_size
@@ -505,6 +637,17 @@ class PretrainingData:
             for batch in dataset:
                 yield {k: v.pin_memory() for k, v in batch.items()} if pin else batch
             return
+        # The DataLoader draws its workers' base seed from `generator`; without one it draws
+        # from the global torch RNG, which then differs after a resume (restored RNG + one
+        # draw) from the uninterrupted run (dropout masks shift). Seeded from the position.
+        generator = torch.Generator()
+        generator.manual_seed(
+            int(
+                rng_for(
+                    self._plan.seed, "loader-torch", self.split, self.rank, epoch, consumed
+                ).integers(0, 2**63 - 1)
+            )
+        )
         loader = DataLoader(
             dataset,
             batch_size=None,
@@ -512,9 +655,29 @@ class PretrainingData:
             pin_memory=pin,
             in_order=True,
             worker_init_fn=_ignore_stop_signals,
+            generator=generator,
         )
-        for packed in loader:
-            yield unpack_batch(packed)
+        try:
+            for packed in loader:
+                yield unpack_batch(packed)
+        except BertpipeError as exc:  # re-raised by torch with the worker's traceback inside
+            raise _from_worker(exc) from None
+
+
+def _from_worker(exc: BertpipeError) -> BertpipeError:
+    """A worker's error as it was raised there: torch re-raises it in the training process
+    as ``Caught DataError in DataLoader worker process 0.`` + its traceback, whose last
+    line holds the one-line message the command line should print."""
+    text = str(exc).rstrip()
+    prefix = f"{type(exc).__name__}: "
+    if not text.startswith("Caught "):
+        return exc
+    last = text.splitlines()[-1]
+    message = last.split(prefix, 1)[1] if prefix in last else last
+    try:
+        return type(exc)(message)
+    except TypeError:  # an error class with another constructor
+        return exc
 
 
 def _ignore_stop_signals(worker_id: int) -> None:
@@ -555,4 +718,7 @@ def build_pretraining_data(
         train=train,
         max_batches=None if evaluation is None else evaluation.max_batches or None,
         pin_memory=torch.cuda.is_available(),
+        read_retries=data.read_retries,
+        read_retry_delay=data.read_retry_delay,
+        verify_checksums=data.verify_checksums,
     )

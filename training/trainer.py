@@ -38,6 +38,7 @@ import torch.distributed as dist
 from bertpipe import fsio, tracking
 from bertpipe.config import ConfigError, redacted, to_dict, to_yaml
 from bertpipe.errors import BertpipeError
+from bertpipe.fsio import RetryPolicy
 from bertpipe.progress import ProgressLine
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.config import PhaseSpec, PretrainConfig
@@ -179,13 +180,14 @@ class PhaseData:
         return int(self.manifest["max_seq_length"])
 
 
-def read_phase_data(phase: PhaseSpec, key: str) -> PhaseData:
+def read_phase_data(phase: PhaseSpec, key: str, retry: Any = None) -> PhaseData:
     import hashlib
+
+    from bertpipe.training.data import read_bytes
 
     url = fsio.join(phase.data, "manifest.json")
     try:
-        with fsio.open_url(url, "rb") as f:
-            raw = f.read()
+        raw = read_bytes(url, retry)  # transient storage errors retried (data.read_retries)
     except FileNotFoundError:
         raise ConfigError(
             f"{key}.data", f"{url} does not exist: run `bertpipe preprocess` for this phase first"
@@ -344,7 +346,8 @@ class Trainer:
         self.info = info
         self.world = info.world_size
         self.accumulation = cfg.check_world(self.world)
-        self.data = [read_phase_data(p, f"phases[{i}]") for i, p in enumerate(cfg.phases)]
+        retry = RetryPolicy(cfg.data.read_retries, cfg.data.read_retry_delay)
+        self.data = [read_phase_data(p, f"phases[{i}]", retry) for i, p in enumerate(cfg.phases)]
         self.model_cfg = model_config(cfg, self.data)
         self.folder = cfg.checkpoint_dir
         self.stop = _StopFlag()
@@ -416,6 +419,10 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         first, tag = self._start()
+        if tag is not None:  # refuse a resume into other data (checkpoint.allow_data_change)
+            state, _ = ckpt.read_state(self.folder, tag, self.info.rank)
+            current = {p.name: d.sha256 for p, d in zip(self.cfg.phases, self.data, strict=True)}
+            ckpt.check_data(state, current, tag, self.cfg.checkpoint.allow_data_change)
         self.stop.install()
         last = len(self.cfg.phases) - 1 if self.cfg.only_phase is None else first
         summary: dict[str, Any] = {}
@@ -453,12 +460,11 @@ class Trainer:
             tags=tags,
             parent_run_id=self.cfg.tracking.tags.get(tracking.TAG_PARENT),
             resume_run_id=self.run_id,
+            buffer=tracking.buffer_path(self.cfg.output),
         ) as run:
             if run is not None:
                 self.run_id = run.info.run_id
-                import mlflow
-
-                mlflow.log_dict(asdict(self.model_cfg), "model_config.json")
+                tracking.log_dict(asdict(self.model_cfg), "model_config.json")
             yield
 
     def _run_phase(self, index: int, tag: str | None) -> dict[str, Any]:
@@ -483,6 +489,9 @@ class Trainer:
             seed=cfg.seed,
             num_workers=cfg.data.num_workers,
             shuffle_blocks=cfg.data.shuffle_blocks,
+            read_retries=cfg.data.read_retries,
+            read_retry_delay=cfg.data.read_retry_delay,
+            verify_checksums=cfg.data.verify_checksums,
         )
         if data_state is not None:
             loader.load_state_dict(data_state)
@@ -726,9 +735,7 @@ class Trainer:
             json.dumps(dsconf),
         )
         if self.run_id is not None:
-            import mlflow
-
-            mlflow.log_dict(dsconf, f"ds_config_{phase.name}.json")
+            tracking.log_dict(dsconf, f"ds_config_{phase.name}.json")
 
     def _log_window(
         self,
@@ -808,6 +815,9 @@ class Trainer:
                 shuffle_blocks=1,
                 train=False,
                 max_batches=self.cfg.eval.max_batches or None,
+                read_retries=self.cfg.data.read_retries,
+                read_retry_delay=self.cfg.data.read_retry_delay,
+                verify_checksums=self.cfg.data.verify_checksums,
             )
         except DataError as exc:  # too little held-out data for this many ranks
             if self.info.is_main:
