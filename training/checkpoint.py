@@ -188,6 +188,7 @@ def save(
         }
     }
     engine.save_checkpoint(str(local), tag=tag, client_state=client_state, save_latest=False)
+    _fault_in_save(tag)
     rank_state = {"rng": capture_rng(), "data": state.data, "samples_seen": state.samples_seen}
     (local / tag).mkdir(parents=True, exist_ok=True)
     fsio.atomic_write_text(str(local / tag / _rank_file(rank)), json.dumps(rank_state))
@@ -199,6 +200,27 @@ def save(
         _update_index(local, tag, state, good)
     dist.barrier()
     log.info("checkpoint %s saved in %s", tag, local)
+
+
+FAULT_IN_SAVE = "BERTPIPE_FAULT_IN_SAVE"
+
+
+def _fault_in_save(tag: str) -> None:
+    """Fault injection for tests (unset in real runs): ``BERTPIPE_FAULT_IN_SAVE=kill:TAG``
+    kills this process (SIGKILL) and ``enospc:TAG`` raises "No space left on device" after
+    DeepSpeed wrote TAG's files and before bertpipe's state and ``latest``: a crash or a full
+    disk in the middle of a save."""
+    import errno
+    import os
+    import signal
+
+    kind, _, target = os.environ.get(FAULT_IN_SAVE, "").partition(":")
+    if target != tag:
+        return
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "enospc":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tag)
 
 
 def latest_tag(folder: str) -> str | None:
