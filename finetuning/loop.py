@@ -88,6 +88,8 @@ class Initialisation:
     data_sha256: dict[str, str]
     head_labels: list[str] | None
     """Label names of a task head already in ``init_from`` (a fine-tuned model), if any."""
+    own_tokenizer_dir: str | None = None
+    """The tokenizer that came with ``init_from`` (the export's, or the pre-training's)."""
 
 
 @dataclass
@@ -130,18 +132,21 @@ def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
             lineage.get("source_run_id") or lineage.get("mlflow_run_id"),
             lineage.get("data_sha256", {}),
             labels,
+            str(source),
         )
     if (source / "latest").exists():
         from bertpipe.training.export import load_checkpoint_model, tokenizer_folder
 
         model, state = load_checkpoint_model(str(source))
+        own = tokenizer_folder(state, None)
         return Initialisation(
             model.config,
             model.state_dict(),
-            cfg.tokenizer or tokenizer_folder(state, None),
+            cfg.tokenizer or own,
             state.mlflow_run_id,
             state.data_sha256,
             None,
+            own,
         )
     raise ConfigError(
         "init_from",
@@ -247,6 +252,41 @@ def _file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def _vocab_fingerprint(tokenizer: Any) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def _check_tokenizer(tokenizer: Any, init: Initialisation, model_cfg: BertModelConfig) -> None:
+    """The tokenizer must be the one the encoder was pre-trained with: ids of another vocabulary
+    index the wrong embeddings (or none at all), the run would still "work", and ``best/``
+    would ship the wrong tokenizer."""
+    from bertpipe.preprocessing.tokenizer import load_tokenizer
+
+    size = tokenizer.get_vocab_size()
+    if size > model_cfg.vocab_size:
+        raise ConfigError(
+            "tokenizer",
+            f"{init.tokenizer_dir} has {size} tokens, the model's embeddings "
+            f"{model_cfg.vocab_size}: use the tokenizer the model was pre-trained with (leave "
+            "tokenizer unset)",
+        )
+    own = init.own_tokenizer_dir
+    if own is None or Path(own).resolve() == Path(init.tokenizer_dir).resolve():
+        return
+    try:
+        theirs = load_tokenizer(own)
+    except Exception:  # the source ships no tokenizer: nothing to compare with
+        return
+    mine, expected = _vocab_fingerprint(tokenizer), _vocab_fingerprint(theirs)
+    if mine != expected:
+        raise ConfigError(
+            "tokenizer",
+            f"{init.tokenizer_dir} is not the tokenizer of {own} (vocabulary sha256 "
+            f"{mine[:12]} vs {expected[:12]}): leave tokenizer unset to use the model's own",
+        )
+
+
 class Finetuner:
     """One fine-tuning run on this rank."""
 
@@ -263,6 +303,7 @@ class Finetuner:
             changes["hidden_dropout"] = changes["attention_dropout"] = cfg.hidden_dropout
         self.model_cfg = dataclasses.replace(self.init.model_cfg, **changes)
         self.tokenizer = load_tokenizer(self.init.tokenizer_dir)
+        _check_tokenizer(self.tokenizer, self.init, self.model_cfg)
         self.data = load_task(cfg.task, self.tokenizer, self.model_cfg.max_position_embeddings)
         labels = list(self.data.spec.labels)
         if self.init.head_labels is not None and self.init.head_labels != labels:
