@@ -125,6 +125,9 @@ class FinetuneConfig:
     """Decoupled weight decay; never applied to biases and LayerNorm weights."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm (0 disables)."""
+    max_bad_steps: int = 20
+    """Stop (exit status 2) after this many consecutive optimizer steps with a non-finite loss
+    or gradient; such a step is never applied and is counted in ``train/skipped_steps``."""
     hidden_dropout: float | None = None
     """Override the encoder's dropout; null keeps the checkpoint's."""
     classifier_dropout: float | None = None

@@ -56,6 +56,12 @@ from bertpipe.training.export import TOKENIZER_FILES
 from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.model import BertModelConfig
 from bertpipe.training.optim import build_optimizer, warmup_decay
+from bertpipe.training.trainer import (
+    NonFiniteError,
+    _Faults,
+    _poisoned,
+    _skip_nonfinite_updates,
+)
 
 log = logging.getLogger(__name__)
 
@@ -421,6 +427,9 @@ class Finetuner:
         best_epoch = best_step = 0
         history = []
         step = 0
+        skipped_steps = bad_streak = 0  # steps not applied for non-finite values
+        _skip_nonfinite_updates(engine)  # at ZeRO 0 DeepSpeed would apply them
+        faults = _Faults(info.rank)
         for epoch in range(1, cfg.epochs + 1):
             started = time.monotonic()
             order = rng_for(cfg.seed, "finetune-order", epoch).permutation(n)
@@ -432,15 +441,34 @@ class Finetuner:
                 if micro_steps >= steps_per_epoch * accumulation:
                     break
                 out = engine(**model_inputs(batch, info.device, with_labels=True))
-                engine.backward(out.loss)
+                loss = out.loss
+                if faults.nan(step + micro_steps // accumulation + 1):
+                    loss = loss * math.nan
+                boundary = engine.is_gradient_accumulation_boundary()
+                skipped_before = engine.skipped_steps
+                engine.backward(_poisoned(loss))  # non-finite: NaN gradients, a skipped step
                 engine.step()
-                loss_sum += out.loss.detach().double()
+                loss_sum += loss.detach().double()
                 micro_steps += 1
+                if boundary:  # DeepSpeed's overflow check has read the device already
+                    skipped = engine.skipped_steps - skipped_before
+                    skipped_steps += skipped
+                    bad_streak = bad_streak + 1 if skipped else 0
+                    if bad_streak >= cfg.max_bad_steps:
+                        raise NonFiniteError(
+                            f"epoch {epoch}: {bad_streak} optimizer steps in a row had a "
+                            f"non-finite loss or gradient (max_bad_steps={cfg.max_bad_steps}); "
+                            "nothing was saved from them: lower learning_rate or check the data"
+                        )
             step += steps_per_epoch
             dist.all_reduce(loss_sum)
             train_loss = float(loss_sum) / max(1, micro_steps * info.world_size)
             metrics = self._evaluate(engine, epoch)
-            epoch_metrics = {"train/loss": train_loss, "epoch_seconds": time.monotonic() - started}
+            epoch_metrics = {
+                "train/loss": train_loss,
+                "train/skipped_steps": skipped_steps,
+                "epoch_seconds": time.monotonic() - started,
+            }
             epoch_metrics.update({f"eval/{k}": v for k, v in metrics.items()})
             history.append({"epoch": epoch, "step": step, **epoch_metrics})
             if info.is_main:
