@@ -156,7 +156,7 @@ def run_sweep(cfg: FinetuneConfig) -> SweepResult:
                 if cfg.register:
                     best.registered_model = register_best(best_model, cfg.register, best.run_id)
                     tags[TAG_REGISTERED] = best.registered_model
-            mlflow.set_tags(tags)
-            mlflow.log_params({f"best.{k}": v for k, v in point.items()})
+            tracking.set_tags(tags)
+            tracking.log_params({f"best.{k}": v for k, v in point.items()})
         log.info("sweep best: %s with %s = %.4f", point, main, best.metrics[main])
     return SweepResult(parent_id, best, point, results, folder)

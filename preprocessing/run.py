@@ -100,11 +100,10 @@ def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
     ) as run:
         if run is not None:
             tracking.log_metrics({k: v for k, v in summary.items() if k != "tokenizer_sha256"})
-            import mlflow
 
             for name in ("vocab.txt", "tokenizer_config.json"):
                 with fsio.open_url(fsio.join(cfg.output, name), "rt", encoding="utf-8") as f:
-                    mlflow.log_text(f.read(), f"tokenizer/{name}")
+                    tracking.log_text(f.read(), f"tokenizer/{name}")
     return summary
 
 
@@ -343,7 +342,6 @@ def _log_to_mlflow(
     ) as run:
         if run is None:
             return
-        import mlflow
 
         metrics: dict[str, float] = {"seconds": seconds}
         for name, m in manifests.items():
@@ -358,5 +356,5 @@ def _log_to_mlflow(
             if train["instances"]:
                 metrics[f"{name}.bytes_per_instance"] = train["bytes"] / train["instances"]
             body = {k: v for k, v in m.items() if k != "_sha256"}
-            mlflow.log_text(json.dumps(body, indent=2, sort_keys=True), f"manifests/{name}.json")
+            tracking.log_text(json.dumps(body, indent=2, sort_keys=True), f"manifests/{name}.json")
         tracking.log_metrics(metrics)
