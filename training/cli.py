@@ -58,34 +58,51 @@ def add_pretrain_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:
+    import torch.distributed as dist
+
     from bertpipe.training.config import PretrainConfig
     from bertpipe.training.trainer import PREEMPTED_EXIT_CODE, PreemptedError, run_pretraining
 
     cfg = config_from_args(PretrainConfig, args)
     if cfg is None:
         return 0
+    owned = not dist.is_initialized()  # a group this command forms is this command's to end
+    together = False  # all ranks got here together: safe to meet at a barrier
     try:
         summary = run_pretraining(cfg)
-    except PreemptedError:
+        together = True
+    except PreemptedError:  # the stop was agreed by all ranks
+        together = True
         return PREEMPTED_EXIT_CODE
     finally:
-        _leave_process_group()
+        if owned:
+            _leave_process_group(barrier=together)
     if summary:
         sys.stdout.write(json.dumps(summary) + "\n")
     return 0
 
 
-def _leave_process_group() -> None:
-    """Shut the process group down before the interpreter exits: left to exit-time
+def _leave_process_group(barrier: bool) -> None:
+    """End the process group this command formed, at interpreter exit: left to exit-time
     destructors, gloo's threads sometimes abort the process ("terminate called without an
-    active exception") after the work is done."""
+    active exception") after the work is done. The ranks meet at a barrier first when they
+    got here together (not after an error on this rank: the others may never reach it). At
+    exit rather than now, so that an in-process caller (tests) keeps a group DeepSpeed's
+    cached groups still point at."""
+    import atexit
+
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        try:
-            dist.barrier()
-        finally:
+    if not dist.is_initialized():
+        return
+    if barrier:
+        dist.barrier()
+
+    def destroy() -> None:
+        if dist.is_initialized():
             dist.destroy_process_group()
+
+    atexit.register(destroy)
 
 
 def add_export_command(sub: argparse._SubParsersAction) -> None:

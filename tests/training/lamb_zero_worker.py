@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 from torch import nn
@@ -82,7 +84,11 @@ def main() -> None:
         with open(args.out + ".json", "w") as f:
             json.dump({"losses": losses, "layout": gathered, "ratios": ratios}, f)
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    # leave without interpreter teardown: gloo's threads can abort a process at exit
+    # ("terminate called without an active exception") after the work is done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
