@@ -176,6 +176,11 @@ class OptimizerConfig:
     FusedAdam (CUDA only; JIT-compiles a CUDA op at start, minutes on a fresh machine).
     ``none``: torch's foreach AdamW. With optimizer offload only ``auto`` (DeepSpeed's CPU
     Adam). LAMB always runs its own multi-tensor step and refuses ``deepspeed``."""
+    reset_step_per_phase: bool = False
+    """A phase that keeps the previous phase's moments (``optimizer_state: keep``) restarts
+    the optimizer's step counter at 0, so bias correction starts over on the kept moments,
+    as NVIDIA's BERT phase 2 does; false: the count continues from the previous phase. A
+    resume within a phase always continues its count."""
 
     def __post_init__(self) -> None:
         if not all(0.0 <= b < 1.0 for b in self.betas):

@@ -4,12 +4,15 @@
   or LayerNorm parameters (as BERT does).
 - :class:`Lamb`: LAMB (You et al., 2019) with a true per-layer trust ratio: each parameter
   tensor (one layer's weight matrix, bias, LayerNorm...) gets ``||w|| / ||update||``. It
-  needs to see whole tensors, so it runs with ZeRO stage 0 only: under ZeRO >= 1 DeepSpeed
-  hands an optimizer flat partitions that mix many layers, and the ratio would silently be
-  per partition (the config refuses that combination). With fp16/bf16 at stage 0 DeepSpeed
-  wraps a client optimizer in its unfused mixed-precision optimizer, which keeps one fp32
-  master tensor per parameter, so the ratio stays per layer there too (tested).
+  runs at ZeRO stages 0, 1 and 2 (the config refuses 3 and an offloaded optimizer). At
+  stage 0 it sees whole tensors; with fp16/bf16 there DeepSpeed wraps it in its unfused
+  mixed-precision optimizer, which keeps one fp32 master tensor per parameter, so the ratio
+  stays per layer (tested). At stages 1 and 2 DeepSpeed hands it flat partitions that cut
+  through tensors; :func:`attach_zero_partitions` tells it where each tensor lies, and one
+  all-reduce per step gives every rank the whole tensors' norms (see the class).
   The step is multi-tensor and free of host synchronisation.
+- :func:`reset_step_counters`: restart the bias correction on kept moments, as NVIDIA's BERT
+  phase 2 does (``optimizer.reset_step_per_phase``).
 - :func:`build_optimizer`: AdamW as ``optimizer.fused`` says (by default torch's fused AdamW
   on GPU, its foreach AdamW on CPU), DeepSpeed's CPU Adam when the optimizer is offloaded;
   or LAMB.
@@ -36,8 +39,10 @@ __all__ = [
     "ZeroPartition",
     "attach_zero_partitions",
     "build_optimizer",
+    "client_optimizer",
     "lr_lambda",
     "param_groups",
+    "reset_step_counters",
     "warmup_decay",
 ]
 
@@ -83,7 +88,8 @@ class Lamb(torch.optim.Optimizer):
     optimizer where each tensor lies in it; each rank then sums the squares of its pieces of
     every tensor's weight and update, one all-reduce of 2 x (tensors in the group) floats
     gives every rank the whole tensors' norms, and each piece takes its tensor's ratio: the
-    same step as on one rank with whole tensors.
+    same step as on one rank with whole tensors. Every rank so holds the ratios of all the
+    group's tensors, and :meth:`trust_ratio_stats` reports them all, on every rank.
     """
 
     def __init__(
@@ -199,7 +205,9 @@ class Lamb(torch.optim.Optimizer):
     def _update_partition(
         self, group: dict[str, Any], flat: torch.Tensor, part: ZeroPartition
     ) -> torch.Tensor:
-        """One step for a ZeRO flat partition; returns the ratios of the tensors it holds."""
+        """One step for a ZeRO flat partition; returns the ratios of all the tensors of the
+        group (of those held on any rank), shape (``part.num_tensors``,), or ones for the
+        pieces held here when the group takes no ratio."""
         import torch.distributed as dist
 
         (update,), (weight,) = self._adam_updates(group, [flat])
@@ -220,16 +228,23 @@ class Lamb(torch.optim.Optimizer):
                 sums[:, part.first : part.first + count] = local.square()
             dist.all_reduce(sums, group=part.group)  # the one collective of the step
             norms = sums.sqrt()
-            ratio = self._ratio(group, norms[0], norms[1])[part.first : part.first + count]
+            # the ratios of all the group's tensors, the same on every rank: the statistics
+            # take them all (each tensor once), the pieces held here their own
+            ratio = self._ratio(group, norms[0], norms[1])
             if count:
-                torch._foreach_mul_(u_views, ratio.unbind())
+                torch._foreach_mul_(u_views, ratio[part.first : part.first + count].unbind())
         self._apply(group, [flat], [update])
         return ratio
 
     def trust_ratio_stats(self) -> dict[str, float]:
         """``min``, ``mean`` and ``max`` of the trust ratios of the tensors with weight decay
         (all tensors with ``trust_all``) the last step updated, in one device-to-host read;
-        empty before the first step."""
+        empty before the first step.
+
+        Under ZeRO 1 and 2 they cover every tensor of the model, each once (also one that
+        spans two ranks' partitions), and are the same on every rank (within rounding of the
+        mean) and as on one rank: the step already all-reduced every tensor's norms, so each
+        rank holds all ratios. No collective: a rank may call this alone."""
         last = [r for ratios in self._last_ratios.values() for r in ratios]
         if not last:
             return {}
@@ -285,6 +300,79 @@ def attach_zero_partitions(optimizer: Lamb, zero_optimizer: Any) -> None:
     """Make ``optimizer`` (the client optimizer DeepSpeed wrapped at ZeRO stage 1 or 2)
     compute trust ratios of whole tensors across the ranks' partitions."""
     optimizer._zero = {id(flat): part for flat, part in zero_partitions(zero_optimizer)}
+
+
+def client_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` that holds the per-parameter state: ``optimizer`` itself,
+    or the one inside DeepSpeed's wrappers, followed through their ``.optimizer``: a DeepSpeed
+    engine, its ZeRO 1/2 optimizer (``DeepSpeedZeroOptimizer``, whose inner optimizer's
+    parameters are the flat fp32 partitions), ``BF16_Optimizer``, ``FP16_Optimizer`` and
+    ``FP16_UnfusedOptimizer`` (ZeRO 0 with fp16/bf16). Raises :class:`TypeError` when there
+    is none."""
+    inner, seen = optimizer, set()
+    while not isinstance(inner, torch.optim.Optimizer):
+        seen.add(id(inner))
+        nested = getattr(inner, "optimizer", None)
+        if nested is None or id(nested) in seen:
+            raise TypeError(f"{type(optimizer).__name__} holds no torch optimizer")
+        inner = nested
+    return inner
+
+
+def reset_step_counters(optimizer: Any) -> int:
+    """Set the step counter of every parameter state of ``optimizer`` to 0, keeping the
+    moments, so the next step's bias correction is that of step 1 on them; returns how many
+    parameter states were reset.
+
+    This is what NVIDIA's BERT recipe does at the start of phase 2 (``optimizer_state: keep``
+    with ``optimizer.reset_step_per_phase``). DeepLearningExamples,
+    ``PyTorch/LanguageModeling/BERT/run_pretraining.py``, ``prepare_model_and_optimizer``:
+    with ``--phase2`` it sets ``global_step = resume_step - phase1_end_step`` (0 when phase 2
+    starts from phase 1's final checkpoint), then, before ``optimizer.load_state_dict``::
+
+        for key in keys:
+            checkpoint['optimizer']['state'][key]['step'] = global_step
+        for iter, item in enumerate(checkpoint['optimizer']['param_groups']):
+            checkpoint['optimizer']['param_groups'][iter]['step'] = global_step
+            ... t_total, warmup and lr of phase 2
+
+    apex's ``FusedLAMB`` keeps one counter per param group, ``group['step']``, adds 1 before
+    each step and hands it to ``multi_tensor_lamb``, which divides the moments by
+    ``1 - beta1 ** step`` and ``1 - beta2 ** step``: phase 2's first update uses
+    ``1 - beta1`` and ``1 - beta2`` on phase 1's moments. On moments near their steady
+    state that shrinks the Adam direction ``m_hat / sqrt(v_hat)`` by
+    ``sqrt(1 - beta2**t) / (1 - beta1**t)`` at phase step ``t`` (betas 0.9, 0.999: 0.32 at
+    step 1, 0.15 around step 12, 0.8 at step 1000); LAMB's trust ratio still gives a decayed
+    tensor's update the norm ``||w||``, so there the share of weight decay changes, and the
+    plain Adam steps of biases and LayerNorm are smaller. A phase-2 run resumed mid-phase
+    continues the phase's own count (its checkpoint is named by the global step, the count
+    is that minus ``phase1_end_step``), as a DeepSpeed checkpoint here does: call this only
+    when a phase starts from the previous phase's checkpoint, never at a resume within a
+    phase.
+
+    Covers our :class:`Lamb` (``state["step"]``, an int), torch's AdamW (a tensor: zeroed in
+    place, dtype and device kept), DeepSpeed's CPU Adam (an int; its kernel recomputes
+    ``beta ** step`` when the count does not follow the last one) and optimizers that count
+    per group as apex does (``group["step"]``, int or tensor). ``optimizer`` may be any of the
+    wrappers :func:`client_optimizer` follows; under ZeRO 1/2 each rank resets the states of
+    its own partitions, so call it on every rank.
+    """
+    inner = client_optimizer(optimizer)
+    count = 0
+    for state in inner.state.values():
+        if isinstance(state, dict) and "step" in state:
+            state["step"] = _zeroed(state["step"])
+            count += 1
+    for group in inner.param_groups:
+        if "step" in group:
+            group["step"] = _zeroed(group["step"])
+    return count
+
+
+def _zeroed(step: Any) -> Any:
+    if isinstance(step, torch.Tensor):
+        return step.zero_()  # in place: dtype, device and identity (CUDA graphs) kept
+    return type(step)(0)
 
 
 def _by_device_and_dtype(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
