@@ -1,6 +1,8 @@
 """One rank of the LAMB-under-ZeRO check (started by torchrun from test_lamb_zero.py): a small
 model trained 20 LAMB steps through bertpipe's own engine set-up (build_engine), the global
-batch split over the ranks; rank 0 writes the final weights, losses and partition layout."""
+batch split over the ranks, optionally with the step counters reset after some steps (as at
+the start of NVIDIA's phase 2); rank 0 writes the final weights, losses, partition layout,
+every rank's trust-ratio statistics and step counters."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from torch import nn
 from bertpipe.config import load_config
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.engine import build_engine, init_distributed
-from bertpipe.training.optim import zero_partitions
+from bertpipe.training.optim import client_optimizer, reset_step_counters, zero_partitions
 
 GLOBAL_BATCH = 8
 
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--stage", type=int, required=True)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--reset-at", type=int, default=0, help="reset the step counters here")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     info = init_distributed()
@@ -63,7 +66,9 @@ def main() -> None:
     data = torch.Generator().manual_seed(1)
     target = nn.Linear(13, 7)
     losses = []
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        if step and step == args.reset_at:
+            reset_step_counters(engine.optimizer)
         x = torch.randn(GLOBAL_BATCH, 13, generator=data)
         y = target(x).detach()
         mine = slice(info.rank * micro, (info.rank + 1) * micro)
@@ -74,15 +79,26 @@ def main() -> None:
     layout = []
     if args.stage in (1, 2):
         layout = [[part.first, len(part.segments)] for _, part in zero_partitions(engine.optimizer)]
-    stats = engine.optimizer.optimizer if args.stage else engine.optimizer
-    ratios = getattr(stats, "trust_ratio_stats", dict)()
+    lamb = client_optimizer(engine.optimizer)
+    # every rank asks, on its own: no collective behind it
+    ratios = getattr(lamb, "trust_ratio_stats", dict)()
+    counters = sorted({int(state["step"]) for state in lamb.state.values()})
     gathered = [None] * info.world_size
-    torch.distributed.all_gather_object(gathered, layout)
+    torch.distributed.all_gather_object(gathered, [layout, ratios, counters])
     if info.rank == 0:
         weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
         torch.save(weights, args.out)
         with open(args.out + ".json", "w") as f:
-            json.dump({"losses": losses, "layout": gathered, "ratios": ratios}, f)
+            json.dump(
+                {
+                    "losses": losses,
+                    "layout": [g[0] for g in gathered],
+                    "ratios": gathered[0][1],
+                    "ratios_per_rank": [g[1] for g in gathered],
+                    "steps_per_rank": [g[2] for g in gathered],
+                },
+                f,
+            )
     torch.distributed.barrier()
     # leave without interpreter teardown: gloo's threads can abort a process at exit
     # ("terminate called without an active exception") after the work is done
