@@ -7,7 +7,10 @@
   runs at ZeRO stages 0, 1 and 2 (the config refuses 3 and an offloaded optimizer). At
   stage 0 it sees whole tensors; with fp16/bf16 there DeepSpeed wraps it in its unfused
   mixed-precision optimizer, which keeps one fp32 master tensor per parameter, so the ratio
-  stays per layer (tested). At stages 1 and 2 DeepSpeed hands it flat partitions that cut
+  stays per layer (tested); that wrapper takes one step with zero gradients when it is built
+  (DeepSpeed 0.19), so the step count starts at 1 and, with the ratio ``1 / wd`` of an
+  update ``wd * w``, the decayed tensors' masters start at ``(1 - lr) * w`` for the first
+  rate ``lr`` of the schedule. At stages 1 and 2 DeepSpeed hands it flat partitions that cut
   through tensors; :func:`attach_zero_partitions` tells it where each tensor lies, and one
   all-reduce per step gives every rank the whole tensors' norms (see the class).
   The step is multi-tensor and free of host synchronisation.
