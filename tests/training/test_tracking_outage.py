@@ -44,7 +44,7 @@ def test_pretraining_survives_a_server_outage(
 ) -> None:
     import mlflow
 
-    monkeypatch.setattr(tracking, "RETRY_SECONDS", 0.0)  # try again at every log step
+    monkeypatch.setattr(tracking.outbox, "RETRY_SECONDS", 0.0)  # try again at every log step
     real = tracking.log_metrics
 
     def timed(metrics: Any, step: int | None = None) -> None:

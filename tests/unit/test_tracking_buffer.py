@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from bertpipe import tracking
+from bertpipe.tracking import client as tracking_client
+from bertpipe.tracking import lifecycle as tracking_lifecycle
+from bertpipe.tracking import outbox as tracking_outbox
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -41,10 +44,12 @@ def test_outage_is_buffered_and_replayed_with_its_steps(
     import mlflow
 
     cfg, uri, down, buffer = _setup(tmp_path)
-    monkeypatch.setattr(tracking, "RETRY_SECONDS", 3600.0)  # no retry unless forced
+    monkeypatch.setattr(tracking_outbox, "RETRY_SECONDS", 3600.0)  # no retry unless forced
     sent = []
-    real_send = tracking._send
-    monkeypatch.setattr(tracking, "_send", lambda records: (sent.append(1), real_send(records)))
+    real_send = tracking_outbox.send_records
+    monkeypatch.setattr(
+        tracking_outbox, "send_records", lambda records: (sent.append(1), real_send(records))
+    )
     caplog.set_level(logging.WARNING, logger="bertpipe.tracking")
     with tracking.start_run(cfg, "pretrain", buffer=str(buffer)) as run:
         assert run is not None
@@ -64,8 +69,9 @@ def test_outage_is_buffered_and_replayed_with_its_steps(
         assert all(r["run_id"] == run_id for r in records)
         assert len(_messages(caplog, "MLflow call failed")) == 1
         mlflow.set_tracking_uri(uri)  # back
-        assert tracking._outbox is not None
-        tracking._outbox.next_try = 0.0  # the retry time has come
+        outbox = tracking_lifecycle.current_outbox()
+        assert outbox is not None
+        outbox.next_try = 0.0  # the retry time has come
         tracking.log_metrics({"train/loss": 1.5}, step=5)
         assert not buffer.exists()
     history = _history(uri, run_id, "train/loss")
@@ -163,8 +169,8 @@ def test_a_server_that_never_answers_costs_one_short_attempt_per_retry_interval(
     import mlflow
 
     cfg, uri, _, buffer = _setup(tmp_path)
-    monkeypatch.setattr(tracking, "HTTP_TIMEOUT", 1)
-    monkeypatch.setattr(tracking, "RETRY_SECONDS", 3600.0)
+    monkeypatch.setattr(tracking_client, "HTTP_TIMEOUT", 1)
+    monkeypatch.setattr(tracking_outbox, "RETRY_SECONDS", 3600.0)
     with socket.socket() as hole:
         hole.bind(("127.0.0.1", 0))
         hole.listen(16)  # connections are queued, never accepted or answered

@@ -1,0 +1,78 @@
+"""MLflow helpers: one experiment per project, one run per stage, lineage tags.
+
+Only rank 0 of a distributed job may call these (a sqlite store takes one writer). Stages use
+the names exported here (``tracking.start_run``, ``tracking.log_metrics``, ...); the code is
+split by concern:
+
+* :mod:`~bertpipe.tracking.client`: :class:`TrackingConfig`, the store's absolute URI and
+  experiment (:func:`connect`), a config as params (:func:`config_params`), the lineage tags
+  (:data:`TAG_STAGE`, :data:`TAG_PARENT`, :data:`TAG_DATA_CHECKSUM`) and the short HTTP
+  timeout of mid-run calls (:data:`~bertpipe.tracking.client.HTTP_TIMEOUT`).
+* :mod:`~bertpipe.tracking.lifecycle`: :func:`start_run` and the logging calls made inside it.
+* :mod:`~bertpipe.tracking.outbox`: the outage buffer. Tracking never stops a run: what
+  MLflow could not take waits in ``<output>/mlflow-buffer.jsonl`` (:func:`buffer_path`) and is
+  replayed with its original steps and timestamps when the store answers again, tried at most
+  every :data:`~bertpipe.tracking.outbox.RETRY_SECONDS`, so a store that is down costs the
+  loop (and the ranks waiting for rank 0 in the next collective) at most one short attempt
+  per retry interval; :func:`replay_buffer` sends a buffer left behind.
+* :mod:`~bertpipe.tracking.registry`: :func:`register_pytorch_model`.
+
+The tunables (``RETRY_SECONDS``, ``BATCH_METRICS`` in :mod:`~bertpipe.tracking.outbox`;
+``HTTP_RETRIES``, ``HTTP_TIMEOUT`` in :mod:`~bertpipe.tracking.client`) are read where they
+are defined and are not re-exported here, so that setting them on this package (which would
+change nothing) fails instead.
+"""
+
+from __future__ import annotations
+
+from bertpipe.tracking.client import (
+    DEFAULT_URI,
+    MAX_PARAM_KEY,
+    MAX_PARAM_VALUE,
+    STAGES,
+    TAG_DATA_CHECKSUM,
+    TAG_PARENT,
+    TAG_STAGE,
+    TrackingConfig,
+    config_params,
+    connect,
+)
+from bertpipe.tracking.lifecycle import (
+    log_artifacts,
+    log_config,
+    log_dict,
+    log_metrics,
+    log_params,
+    log_text,
+    set_tags,
+    start_run,
+)
+from bertpipe.tracking.outbox import BUFFER_NAME, buffer_path, replay_buffer
+from bertpipe.tracking.registry import RegistryError, pip_requirements, register_pytorch_model
+
+__all__ = [
+    "BUFFER_NAME",
+    "DEFAULT_URI",
+    "MAX_PARAM_KEY",
+    "MAX_PARAM_VALUE",
+    "STAGES",
+    "TAG_DATA_CHECKSUM",
+    "TAG_PARENT",
+    "TAG_STAGE",
+    "RegistryError",
+    "TrackingConfig",
+    "buffer_path",
+    "config_params",
+    "connect",
+    "log_artifacts",
+    "log_config",
+    "log_dict",
+    "log_metrics",
+    "log_params",
+    "log_text",
+    "pip_requirements",
+    "register_pytorch_model",
+    "replay_buffer",
+    "set_tags",
+    "start_run",
+]

@@ -1,0 +1,185 @@
+"""Where runs are logged: the tracking config, the store's URI, the experiment, the HTTP policy.
+
+The tracking URI is always set explicitly: MLflow's own default depends on the working
+directory, and so does its default artifact location for a sqlite store, so a relative
+``sqlite:///`` path is made absolute and new experiments get an explicit artifact folder
+beside the database. A config becomes MLflow params with :func:`config_params`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from bertpipe import fsio
+from bertpipe.config import ConfigError, to_dict
+
+__all__ = [
+    "DEFAULT_URI",
+    "HTTP_RETRIES",
+    "HTTP_TIMEOUT",
+    "MAX_PARAM_KEY",
+    "MAX_PARAM_VALUE",
+    "STAGES",
+    "TAG_DATA_CHECKSUM",
+    "TAG_PARENT",
+    "TAG_STAGE",
+    "TrackingConfig",
+    "config_params",
+    "connect",
+    "quick_http",
+]
+
+TAG_STAGE = "bertpipe.stage"
+TAG_PARENT = "bertpipe.parent_run_id"
+TAG_DATA_CHECKSUM = "bertpipe.data_manifest_sha256"
+STAGES = ("tokenizer", "preprocess", "pretrain", "finetune", "sweep")
+DEFAULT_URI = "sqlite:///runs/mlflow.db"
+MAX_PARAM_VALUE = 500
+"""Param values longer than this are cut (with ``...``): long values are unreadable in the UI
+and some stores reject them (MLflow's own limit is larger)."""
+MAX_PARAM_KEY = 250
+"""MLflow's limit on a param key's length."""
+HTTP_RETRIES = 0
+HTTP_TIMEOUT = 10
+"""Retries and timeout (seconds) of a mid-run HTTP call. MLflow's defaults (7 retries with
+exponential backoff, 120 s) would stall the loop, and the ranks waiting for rank 0, for
+minutes; a call that fails is buffered and replayed, so no retry is needed."""
+
+
+@dataclasses.dataclass
+class TrackingConfig:
+    """Where and whether runs are logged to MLflow."""
+
+    enabled: bool = True
+    """Log this stage to MLflow."""
+    uri: str | None = None
+    """Tracking URI (``sqlite:///path.db``, ``http://host:5000``, ``file:///dir``).
+    Null means $MLFLOW_TRACKING_URI, else ``sqlite:///runs/mlflow.db`` in the working
+    directory. Relative sqlite paths are made absolute."""
+    experiment: str = "bertpipe"
+    """Experiment name: one per project."""
+    artifact_location: str | None = None
+    """Artifact root for a new experiment. Null: an ``mlartifacts`` folder beside a sqlite
+    database, the server's default for a server."""
+    run_name: str | None = None
+    """Name of the run; null lets the stage choose one."""
+    tags: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Extra tags set on the run."""
+
+    def __post_init__(self) -> None:
+        if not self.experiment.strip():
+            raise ConfigError("experiment", "must not be empty")
+
+    def resolved_uri(self) -> str:
+        """The tracking URI to use, absolute for sqlite and local folders."""
+        uri = self.uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_URI
+        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+            path = uri[len("sqlite:///") :]
+            uri = "sqlite:///" + os.path.abspath(path)
+        elif "://" not in uri:
+            uri = "file://" + os.path.abspath(uri)
+        return uri
+
+    def resolved_artifact_location(self) -> str | None:
+        """The artifact root given to a new experiment (None: the server decides)."""
+        if self.artifact_location:
+            loc = self.artifact_location
+            return loc if "://" in loc else "file://" + os.path.abspath(loc)
+        uri = self.resolved_uri()
+        if uri.startswith("sqlite:///"):
+            db_dir = os.path.dirname(uri[len("sqlite://") :])
+            return "file://" + os.path.join(db_dir, "mlartifacts")
+        return None
+
+
+def connect(cfg: TrackingConfig) -> str:
+    """Point MLflow at ``cfg``'s store and return the experiment id (created if missing)."""
+    import mlflow
+
+    uri = cfg.resolved_uri()
+    if uri.startswith("sqlite:///"):
+        os.makedirs(os.path.dirname(uri[len("sqlite://") :]), exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    exp = mlflow.get_experiment_by_name(cfg.experiment)
+    if exp is not None:
+        return str(exp.experiment_id)
+    try:
+        return str(
+            mlflow.create_experiment(
+                cfg.experiment, artifact_location=cfg.resolved_artifact_location()
+            )
+        )
+    except Exception:  # another process created it first
+        exp = mlflow.get_experiment_by_name(cfg.experiment)
+        if exp is None:
+            raise
+        return str(exp.experiment_id)
+
+
+@contextlib.contextmanager
+def quick_http(upload: bool = False) -> Iterator[None]:
+    """Few retries and a short timeout (MLflow's own for an ``upload``) for the calls made
+    inside it (read by MLflow from the environment on each request)."""
+    values = {
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": str(HTTP_RETRIES),
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    }
+    if not upload:
+        values["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(HTTP_TIMEOUT)
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+
+def config_params(config: Any) -> dict[str, str]:
+    """A config as MLflow params: nested sections as dotted keys (``zero.stage``), lists of
+    sections with their index (``phases.0.learning_rate``, ``phases.1.max_steps``), other
+    lists and scalars as their text. Values are cut at :data:`MAX_PARAM_VALUE` characters;
+    keys longer than MLflow's limit are shortened with a digest (kept unique)."""
+    data = to_dict(config)
+    params: dict[str, str] = {}
+    for key, value in _flatten_params(data, "").items():
+        params[_param_key(key)] = fsio.redact(_param_value(value))
+    return params
+
+
+def _flatten_params(value: Any, prefix: str) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(_flatten_params(item, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    if (
+        isinstance(value, list | tuple)
+        and value
+        and all(isinstance(item, Mapping) for item in value)
+    ):
+        out = {}
+        for i, item in enumerate(value):
+            out.update(_flatten_params(item, f"{prefix}.{i}" if prefix else str(i)))
+        return out
+    return {prefix: value}
+
+
+def _param_key(key: str) -> str:
+    if len(key) <= MAX_PARAM_KEY:
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return f"{key[: MAX_PARAM_KEY - len(digest) - 1]}-{digest}"
+
+
+def _param_value(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= MAX_PARAM_VALUE else text[: MAX_PARAM_VALUE - 3] + "..."
