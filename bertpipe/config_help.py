@@ -9,8 +9,8 @@ listing still has every key, type and default.
 
 ``bertpipe pretrain --help`` prints the usual help, the stage's examples and every key;
 ``--help optimizer`` (or ``--help-config optimizer``) one section, ``--help zero.stage`` one key.
-The parser side is :class:`bertpipe.cli.ConfigHelpAction`; this module and the config modules
-are imported only when such a help is printed, so ``bertpipe --help`` stays fast.
+The parser side is :class:`bertpipe.cli_args.ConfigHelpAction`; this module and the config
+modules are imported only when such a help is printed, so ``bertpipe --help`` stays fast.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ __all__ = [
     "NoMatchError",
     "RetryPolicy",
     "TransientError",
+    "absolute",
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_writer",
@@ -70,6 +71,11 @@ def join(base: str, *parts: str) -> str:
     for part in parts:
         out = posixpath.join(out, part.strip("/"))
     return out
+
+
+def absolute(url: str) -> str:
+    """A URL (``s3://b/x``, ``file:///x``) as it is; a local path made absolute."""
+    return url if "://" in url else os.path.abspath(url)
 
 
 def exists(url: str) -> bool:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from bertpipe.cli import add_config_arguments, config_from_args
+from bertpipe.cli_args import add_config_arguments, config_from_args
 
 
 def add_finetune_command(sub: argparse._SubParsersAction) -> None:

@@ -123,7 +123,7 @@ def test_run_list_order_and_commands_are_accepted(tmp_path: Path) -> None:
     for name in BENCH_RUNS:
         args = runs[name]
         cut = args.index("bench")
-        assert args[cut - 2 : cut + 2] == ["-m", "bertpipe.cli", "bench", "train"]
+        assert args[cut - 2 : cut + 2] == ["-m", "bertpipe.app.cli", "bench", "train"]
         options = args[cut + 2 :]
         assert options[options.index("--name") + 1] == name
         assert options[options.index("--preset") + 1] == "large"
@@ -240,8 +240,8 @@ def test_training_and_the_benchmark_import_without_mlflow_or_beam() -> None:
         "for name in ('mlflow', 'apache_beam'):\n"
         "    sys.modules[name] = None  # any import of them raises ImportError\n"
         "import bertpipe.training.trainer, bertpipe.training.data, bertpipe.training.engine\n"
-        "import bertpipe.cli\n"
-        "bertpipe.cli.build_parser()  # imports every command's module\n"
+        "import bertpipe.app.cli\n"
+        "bertpipe.app.cli.build_parser()  # imports every command's module\n"
         "import os\n"
         "if os.path.exists('training/bench_train.py'):\n"
         "    import bertpipe.training.bench_train\n"

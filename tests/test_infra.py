@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bertpipe.cli import COMMANDS, build_parser
+from bertpipe.app.cli import COMMANDS, build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"

@@ -36,7 +36,7 @@ def test_cli_ignores_decoy_packages_in_the_working_folder(tmp_path: Path) -> Non
     _decoys(tmp_path)
     # the folder is first on sys.path twice over: as the cwd of `python -m` and on PYTHONPATH
     for cmd in (
-        [sys.executable, "-m", "bertpipe.cli", "plan", "--config", "bert-base-adamw"],
+        [sys.executable, "-m", "bertpipe.app.cli", "plan", "--config", "bert-base-adamw"],
         [str(Path(sys.executable).parent / "bertpipe"), "plan", "--config", "bert-base-adamw"],
     ):
         proc = subprocess.run(

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from bertpipe.cli import add_config_arguments, config_from_args
+from bertpipe.cli_args import add_config_arguments, config_from_args
 
 PRETRAIN_DESCRIPTION = """\
 Pre-trains BERT with DeepSpeed from one config: the model, one or two phases (data, batch,

@@ -73,7 +73,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from bertpipe.cli import add_config_arguments, config_from_args
+from bertpipe.cli_args import add_config_arguments, config_from_args
 from bertpipe.errors import BertpipeError
 
 if TYPE_CHECKING:

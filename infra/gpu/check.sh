@@ -7,7 +7,7 @@
 # It needs .gpu-wheels/ (`make gpu-wheels`, made where PyPI is reachable) and the demo's
 # shards runs/demo/shards/ (`make demo`), both carried beside the checkout. Steps:
 #   1. install the wheels into a private folder (mktemp -d; pip, no index, no dependencies), put
-#      it and the checkout on PYTHONPATH, so that `python3 -m bertpipe.cli` runs the CLI;
+#      it and the checkout on PYTHONPATH, so that `python3 -m bertpipe.app.cli` runs the CLI;
 #   2. print the versions (python, torch, CUDA, GPU, deepspeed, transformers) and nvidia-smi;
 #   3. (no op compile: AdamW is torch's fused kernel on CUDA, optimizer.fused=auto);
 #   4. the benchmark runs, BERT-Large, bf16, ZeRO 1, AdamW, each its own process under
@@ -100,7 +100,7 @@ unset MLFLOW_TRACKING_URI
 if PY_PATH=$(command -v "$PY"); then
     export PATH="$(dirname "$PY_PATH"):$PATH"
 fi
-BP=("$PY" -m bertpipe.cli)  # the console script `bertpipe`, without installing it
+BP=("$PY" -m bertpipe.app.cli)  # the console script `bertpipe`, without installing it
 
 say() { echo "[gpu-check] $*" | tee -a "$LOG"; }
 elapsed() { echo $((SECONDS - START)); }
@@ -205,7 +205,7 @@ for part in configs preprocessing training finetuning; do
     ln -s "$ROOT/$part" "$SRC/bertpipe/$part"
 done
 export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import bertpipe.cli, bertpipe.training.trainer, bertpipe.training.data, deepspeed" \
+if ! "$PY" -c "import bertpipe.app.cli, bertpipe.training.trainer, bertpipe.training.data, deepspeed" \
     >>"$LOG" 2>&1; then
     setup_failed "bertpipe's training modules do not import (see the log)"
 fi

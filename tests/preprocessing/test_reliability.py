@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bertpipe.cli import main
+from bertpipe.app.cli import main
 from bertpipe.preprocessing.readers import InputConfig, read_documents
 from bertpipe.preprocessing.sentences import split_sentences
 from bertpipe.preprocessing.tokenizer import MAX_WORD_CHARS, train_wordpiece, vocab_in_order

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bertpipe.cli import main
+from bertpipe.app.cli import main
 from bertpipe.config import load_config
 from bertpipe.preprocessing.config import PreprocessConfig
 from bertpipe.preprocessing.run import run_preprocess
@@ -124,7 +124,7 @@ def test_bad_input_is_counted_and_inputs_untouched(tokenizer_dir: Path, tmp_path
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bertpipe.cli", *args], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "bertpipe.app.cli", *args], capture_output=True, text=True, check=False
     )
 
 

@@ -35,7 +35,7 @@ def _bench(*args: str) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update({"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     proc = subprocess.run(
-        [sys.executable, "-m", "bertpipe.cli", "bench", "train", *args],
+        [sys.executable, "-m", "bertpipe.app.cli", "bench", "train", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -55,7 +55,7 @@ def _losses_twice_equal(uri: str, folder: Path, first_logged: int) -> None:
 
 def test_killed_while_writing_a_checkpoint(pretrain_shards: Path, tmp_path: Path) -> None:
     cfg, uri = _setup(pretrain_shards, tmp_path)
-    cmd = [sys.executable, "-m", "bertpipe.cli", "pretrain", "--config", str(cfg),
+    cmd = [sys.executable, "-m", "bertpipe.app.cli", "pretrain", "--config", str(cfg),
            "only_phase=phase1"]  # fmt: skip
     crashed = _run(cmd, fault="kill:global_step8")
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-2000:]
@@ -70,7 +70,7 @@ def test_killed_while_writing_a_checkpoint(pretrain_shards: Path, tmp_path: Path
 
 def test_disk_full_during_a_save(pretrain_shards: Path, tmp_path: Path) -> None:
     cfg, uri = _setup(pretrain_shards, tmp_path)
-    cmd = [sys.executable, "-m", "bertpipe.cli", "pretrain", "--config", str(cfg),
+    cmd = [sys.executable, "-m", "bertpipe.app.cli", "pretrain", "--config", str(cfg),
            "only_phase=phase1"]  # fmt: skip
     full = _run(cmd, fault="enospc:global_step8")
     assert full.returncode != 0

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from bertpipe import fsio
-from bertpipe.cli import main
+from bertpipe.app.cli import main
 from bertpipe.errors import BertpipeError, TransientError
 from bertpipe.preprocessing.shard_format import write_tar
 from bertpipe.training import checkpoint as ckpt
@@ -418,7 +418,7 @@ def test_loader_workers_leave_the_global_rng_alone(tmp_path: Path) -> None:
 
 def _run_cmd(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bertpipe.cli", "pretrain", *args],
+        [sys.executable, "-m", "bertpipe.app.cli", "pretrain", *args],
         env=env,
         capture_output=True,
         text=True,

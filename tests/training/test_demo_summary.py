@@ -7,7 +7,7 @@ import csv
 import json
 from pathlib import Path
 
-from bertpipe.demo import unigram_baseline
+from bertpipe.app.demo import unigram_baseline
 from bertpipe.preprocessing.shard_format import read_shard
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-import bertpipe.cli
+import bertpipe.app.cli
 from bertpipe.config import ConfigError, from_dict
 from bertpipe.errors import BertpipeError
 from bertpipe.training.config import PretrainConfig
@@ -355,8 +355,8 @@ def test_sequence_lengths_from_option_and_position_limit() -> None:
 @pytest.fixture
 def plan_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the plan command in the parser, and no launcher environment."""
-    assert bertpipe.cli.COMMANDS["plan"] == "bertpipe.training.cli_plan:add_plan_command"
-    monkeypatch.setattr(bertpipe.cli, "COMMANDS", {"plan": bertpipe.cli.COMMANDS["plan"]})
+    assert bertpipe.app.cli.COMMANDS["plan"] == "bertpipe.training.cli_plan:add_plan_command"
+    monkeypatch.setattr(bertpipe.app.cli, "COMMANDS", {"plan": bertpipe.app.cli.COMMANDS["plan"]})
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
 
@@ -378,7 +378,7 @@ def write_config(tmp_path: Path, phase1_data: Path, **extra: Any) -> Path:
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    code = bertpipe.cli.main(args)
+    code = bertpipe.app.cli.main(args)
     out, err = capsys.readouterr()
     return code, out, err
 

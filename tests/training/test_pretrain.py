@@ -127,7 +127,7 @@ def test_two_phases_metrics_and_checkpoints(reference_run: dict) -> None:  # typ
 
 
 def _pretrain_cmd(args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "bertpipe.cli", "pretrain", *args]
+    return [sys.executable, "-m", "bertpipe.app.cli", "pretrain", *args]
 
 
 def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.cli import main
+from bertpipe.app.cli import main
 from bertpipe.config import load_config
 from tests.conftest import WORDS, free_port
 

@@ -1,6 +1,6 @@
 """``bertpipe <stage> --help``: every config key, sections, examples that load, global flags.
 
-The CLI runs in-process (``bertpipe.cli.main``); help exits through ``SystemExit``.
+The CLI runs in-process (``bertpipe.app.cli.main``); help exits through ``SystemExit``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from bertpipe.cli import ConfigHelpAction, build_parser, main
+from bertpipe.app.cli import build_parser, main
+from bertpipe.cli_args import ConfigHelpAction
 from bertpipe.config import field_docs, load_config
 from bertpipe.config_help import config_sections, load_class
 from bertpipe.finetuning.config import FinetuneConfig
@@ -341,7 +342,7 @@ def test_bad_log_level_is_refused_after_the_command(capsys: pytest.CaptureFixtur
 
 def test_top_level_help_imports_no_config_module() -> None:
     code = (
-        "import sys; from bertpipe.cli import build_parser; build_parser().format_help(); "
+        "import sys; from bertpipe.app.cli import build_parser; build_parser().format_help(); "
         "print(sorted(m for m in sys.modules if m.startswith('bertpipe.') and "
         "(m.endswith('.config') and m != 'bertpipe.config' or m == 'bertpipe.config_help')))"
     )

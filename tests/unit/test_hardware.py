@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bertpipe.cli import main
+from bertpipe.app.cli import main
 from bertpipe.config import ConfigError
 from bertpipe.training import hardware
 from bertpipe.training.hardware import Hardware, check_hardware, gpu_by_name

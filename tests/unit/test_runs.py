@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bertpipe.runs import (
+from bertpipe.app.compare import (
     MLFLOW_PARENT_TAG,
     BadTagError,
     CompareQuery,
@@ -34,12 +34,11 @@ from bertpipe.runs import (
     UnknownMetricError,
     UnknownRunError,
     compare_runs,
-    format_duration,
-    format_number,
     lower_is_better,
     parse_tags,
     plot_comparison,
 )
+from bertpipe.formatting import format_duration, format_number
 from bertpipe.tracking import TAG_DATA_CHECKSUM, TAG_PARENT, TAG_STAGE
 
 EXPERIMENT = "bertpipe-test"
@@ -376,7 +375,7 @@ def test_table_fits_the_width(store: Store) -> None:
 
 @pytest.mark.integration
 def test_cli_json_and_csv(store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from bertpipe.cli import main
+    from bertpipe.app.cli import main
 
     out_csv = tmp_path / "out" / "runs.csv"
     argv = ["runs", "compare", "--tracking-uri", store.uri, "--experiment", EXPERIMENT]
@@ -445,7 +444,7 @@ def test_plot_one_line_per_run(
     assert np.asarray(acc_lines[0].get_ydata()).tolist() == pytest.approx([0.78, 0.88])
 
     # default plot metric: the first shown metric; the demo's call
-    from bertpipe.cli_runs import print_comparison
+    from bertpipe.app.compare import print_comparison
 
     stream = io.StringIO()
     demo_png = tmp_path / "demo.png"
@@ -459,7 +458,7 @@ def test_plot_one_line_per_run(
     assert printed[-1] == f"plot: {demo_png} (train/loss; 1 run)"
     assert demo_png.read_bytes().startswith(PNG_MAGIC)
 
-    from bertpipe.cli import main
+    from bertpipe.app.cli import main
 
     cli_out = tmp_path / "cli.png"
     argv = ["runs", "compare", "--tracking-uri", store.uri, "--experiment", EXPERIMENT]
@@ -507,7 +506,7 @@ def test_errors(store: Store, tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_cli_errors_are_one_line(store: Store, capsys: pytest.CaptureFixture[str]) -> None:
-    from bertpipe.cli import main
+    from bertpipe.app.cli import main
 
     base = ["runs", "compare", "--tracking-uri", store.uri]
     assert main([*base, "--experiment", EXPERIMENT, "--tag", "novalue"]) == 2

@@ -88,7 +88,7 @@ def _corpus(out: Path, documents: int | None) -> list[str]:
 
 
 def _tokenizer(out: Path, common: list[str]) -> object:
-    from bertpipe.cli import write_resolved_config
+    from bertpipe.cli_args import write_resolved_config
     from bertpipe.config import load_config
     from bertpipe.preprocessing.config import TokenizerConfig
     from bertpipe.preprocessing.run import train_tokenizer
@@ -112,7 +112,7 @@ def _tokenizer(out: Path, common: list[str]) -> object:
 
 
 def _preprocess(out: Path, common: list[str]) -> object:
-    from bertpipe.cli import write_resolved_config
+    from bertpipe.cli_args import write_resolved_config
     from bertpipe.config import load_config
     from bertpipe.preprocessing.config import PreprocessConfig
     from bertpipe.preprocessing.run import run_preprocess
@@ -220,8 +220,7 @@ def _compare(out: Path, uri: str) -> None:
     """The runs-compare table of the fine-tuning runs and their accuracy curves."""
     import json
 
-    from bertpipe.cli_runs import print_comparison
-    from bertpipe.runs import CompareQuery
+    from bertpipe.app.compare import CompareQuery, print_comparison
 
     # this demo's runs only: an earlier demo in the same folder left its runs in the store
     export = json.loads((out / "bert-tiny-hf" / "bertpipe_export.json").read_text())

@@ -35,7 +35,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from bertpipe.cli import add_global_options
+    from bertpipe.cli_args import add_global_options
     from bertpipe.logs import setup_logging
 
     module = importlib.import_module(BENCHMARKS[args.benchmark][0])

@@ -1,6 +1,8 @@
 """``bertpipe runs compare``: a table (and plot) of MLflow runs, with their lineage.
 
-The logic lives in :mod:`bertpipe.runs`; this module parses the options and prints.
+The logic lives beside this module (:mod:`~bertpipe.app.compare.query`, ``lineage``, ``table``,
+``plot``); this module parses the options and prints. The run filter flags are generated from
+:class:`~bertpipe.app.compare.query.CompareQuery` (:data:`COMPARE_FLAGS`).
 :func:`print_comparison` is the same thing for Python callers (``bertpipe demo``).
 
 Example (in a terminal 96 characters wide: the constant stage and status columns are left
@@ -34,14 +36,33 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
+from bertpipe import fsio
+from bertpipe.app.compare.plot import plot_comparison
+from bertpipe.app.compare.query import CompareQuery, RunsError, compare_runs, parse_tags
+from bertpipe.app.compare.table import Comparison
+from bertpipe.cli_args import Flag, add_dataclass_arguments, dataclass_from_args
 from bertpipe.tracking import STAGES
 
-if TYPE_CHECKING:
-    from bertpipe.runs import CompareQuery, Comparison
+__all__ = ["COMPARE_FLAGS", "add_runs_command", "print_comparison"]
 
-__all__ = ["add_runs_command", "print_comparison"]
+COMPARE_FLAGS: dict[str, Flag] = {
+    "stage": Flag(choices=STAGES),
+    "tags": Flag("--tag", metavar="KEY=VALUE", parse=parse_tags),
+    "children_of": Flag(metavar="RUN"),
+    "max_runs": Flag(metavar="N"),
+    "metrics": Flag("--metric", metavar="NAME"),
+    "params": Flag("--param", metavar="NAME"),
+    "sort": Flag(metavar="METRIC"),
+    "ascending": Flag(
+        negative="--descending",
+        help="smallest first (default for metrics named like loss, perplexity, error)",
+        negative_help="largest first (default for other metrics)",
+    ),
+}
+"""How the fields of :class:`~bertpipe.app.compare.query.CompareQuery` appear as flags of
+``bertpipe runs compare`` (every field is one; the rest comes from the class)."""
 
 
 def add_runs_command(sub: argparse._SubParsersAction) -> None:
@@ -63,75 +84,23 @@ def add_runs_command(sub: argparse._SubParsersAction) -> None:
             "Missing values show as '-'."
         ),
     )
-    where = compare.add_argument_group("which runs")
-    where.add_argument(
-        "--tracking-uri",
-        default=None,
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///runs/mlflow.db)",
-    )
-    where.add_argument(
-        "--experiment", default="bertpipe", help="experiment name (default: bertpipe)"
-    )
-    where.add_argument("--stage", choices=STAGES, default=None, help="only runs of this stage")
-    where.add_argument(
-        "--tag",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="only runs with this tag value (repeatable), e.g. bertpipe.parent_run_id=<run id>",
-    )
-    where.add_argument(
-        "--children-of",
-        metavar="RUN",
-        default=None,
-        help="only the nested runs (sweep trials) of this run: a run id or a run name",
-    )
-    where.add_argument(
-        "--all-states",
-        action="store_true",
-        help="include running, failed and killed runs (default: FINISHED only)",
-    )
-    where.add_argument(
-        "--max-runs",
-        type=int,
-        default=100,
-        metavar="N",
-        help="at most N runs: the newest, or the best by --sort (default 100)",
+    add_dataclass_arguments(
+        compare.add_argument_group("which runs"),
+        CompareQuery,
+        COMPARE_FLAGS,
+        fields=(
+            "tracking_uri",
+            "experiment",
+            "stage",
+            "tags",
+            "children_of",
+            "all_states",
+            "max_runs",
+        ),
     )
     what = compare.add_argument_group("what to show")
-    what.add_argument(
-        "--metric",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="metric column, final value (repeatable; globs like 'eval/*'). Default: every "
-        "eval/* metric for finetune runs, best/* and eval/* for sweep runs; train/loss, "
-        "eval/loss, eval/mlm_accuracy, eval/nsp_accuracy for pretrain runs",
-    )
-    what.add_argument(
-        "--param", action="append", default=[], metavar="NAME", help="param column (repeatable)"
-    )
-    what.add_argument(
-        "--sort",
-        metavar="METRIC",
-        default=None,
-        help="order by this metric and mark the best run (default order: newest first)",
-    )
-    direction = what.add_mutually_exclusive_group()
-    direction.add_argument(
-        "--ascending",
-        dest="ascending",
-        action="store_const",
-        const=True,
-        default=None,
-        help="smallest first (default for metrics named like loss, perplexity, error)",
-    )
-    direction.add_argument(
-        "--descending",
-        dest="ascending",
-        action="store_const",
-        const=False,
-        help="largest first (default for other metrics)",
+    add_dataclass_arguments(
+        what, CompareQuery, COMPARE_FLAGS, fields=("metrics", "params", "sort", "ascending")
     )
     what.add_argument(
         "--width",
@@ -162,25 +131,10 @@ def add_runs_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _compare(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from bertpipe.runs import CompareQuery, RunsError, parse_tags
-
     if passthrough:
         raise RunsError(f"bertpipe runs compare takes no arguments after --: {passthrough}")
-    query = CompareQuery(
-        experiment=args.experiment,
-        tracking_uri=args.tracking_uri,
-        stage=args.stage,
-        tags=parse_tags(args.tag),
-        children_of=args.children_of,
-        metrics=list(args.metric),
-        params=list(args.param),
-        sort=args.sort,
-        ascending=args.ascending,
-        max_runs=args.max_runs,
-        all_states=args.all_states,
-    )
     print_comparison(
-        query,
+        dataclass_from_args(CompareQuery, args, COMPARE_FLAGS),
         plot=args.plot,
         plot_metrics=args.plot_metric,
         csv=args.csv,
@@ -205,10 +159,9 @@ def print_comparison(
     Prints a summary line, the table and where each file went; with ``as_json``, only one
     JSON object (the comparison plus ``plot`` and ``csv`` paths) on one line. ``width``
     limits the table (None: the terminal's width, no limit when not a terminal; 0: no
-    limit). Returns the comparison; raises :class:`bertpipe.runs.RunsError` subclasses.
+    limit). Returns the comparison; raises
+    :class:`~bertpipe.app.compare.query.RunsError` subclasses.
     """
-    from bertpipe.runs import compare_runs, plot_comparison
-
     stream = sys.stdout if stream is None else stream
     comparison = compare_runs(query)
     plot_path = None
@@ -216,7 +169,7 @@ def print_comparison(
     if plot is not None:
         figure = plot_comparison(comparison, plot, plot_metrics)
         plotted = [ax.get_title() for ax in figure.axes]
-        plot_path = plot if "://" in plot else os.path.abspath(plot)
+        plot_path = fsio.absolute(plot)
     csv_path = comparison.write_csv(csv) if csv is not None else None
     if as_json:
         payload = {**comparison.to_dict(), "plot": plot_path, "csv": csv_path}
