@@ -17,16 +17,9 @@ import time
 
 from tqdm import tqdm
 
-__all__ = ["ProgressLine", "format_duration"]
+__all__ = ["ProgressLine"]
 
 log = logging.getLogger(__name__)
-
-
-def format_duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    hours, rest = divmod(seconds, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 class ProgressLine:

@@ -1,7 +1,9 @@
 """``bertpipe plan``: print what a pre-training config will do and need, starting nothing.
 
 The arithmetic lives in :mod:`bertpipe.training.plan`; this module parses the options and prints
-the plan as a table (or, with ``--json``, as one JSON object on the last line).
+the plan as a table (or, with ``--json``, as one JSON object on the last line). The options'
+flags are generated from :class:`~bertpipe.training.plan_options.PlanOptions` (name, type,
+default, docstring as help; :data:`PLAN_FLAGS` renames a few).
 
 Example, NVIDIA's BERT-Large LAMB recipe on 4 nodes x 8 H100 (``paper.yaml``)::
 
@@ -73,15 +75,32 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from bertpipe.cli_args import add_config_arguments, config_from_args
-from bertpipe.errors import BertpipeError
+from bertpipe.cli_args import (
+    Flag,
+    add_config_arguments,
+    add_dataclass_arguments,
+    config_from_args,
+    dataclass_from_args,
+)
+from bertpipe.formatting import GAP, Column, format_hmm, format_si, render_table
+from bertpipe.training.plan_options import PlanOptions
 
 if TYPE_CHECKING:
     from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.plan import Plan, StepTime
 
-__all__ = ["add_plan_command", "parse_seq_lens", "render_plan"]
+__all__ = ["PLAN_FLAGS", "add_plan_command", "render_plan"]
 
 _LABEL_WIDTH = 36
+
+PLAN_FLAGS: dict[str, Flag] = {
+    "gpu_memory_gib": Flag("--gpu-memory-gb"),
+    "seq_lens": Flag("--seq-len", metavar="N[,N...]", separator=","),
+    "cuda_overhead_gib": Flag("--cuda-overhead-gb"),
+    "attention_scores_stored": Flag("--attention-scores"),
+}
+"""How the fields of :class:`~bertpipe.training.plan_options.PlanOptions` appear as flags of
+``bertpipe plan`` (every field is one; the rest comes from the class)."""
 
 
 def add_plan_command(sub: argparse._SubParsersAction) -> None:
@@ -108,111 +127,20 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
             "zero.stage=2 'phases[0].micro_batch_size=64'",
         ],
     )
-    parser.add_argument("--nodes", type=int, default=None, help="nodes (default: from WORLD_SIZE)")
-    parser.add_argument(
-        "--gpus-per-node", type=int, default=None, help="GPUs per node (default: LOCAL_WORLD_SIZE)"
-    )
-    parser.add_argument(
-        "--gpu",
-        default=None,
-        help="GPU type for peak FLOP/s and memory: h100, h100-pcie, h200, a100-80g, a100-40g, "
-        "v100-32g, a10g, l4, l40s, t4 (no time estimate without it)",
-    )
-    parser.add_argument(
-        "--gpu-memory-gb",
-        type=float,
-        default=None,
-        help="GPU memory in GiB (2^30 bytes; default: from --gpu)",
-    )
-    parser.add_argument(
-        "--mfu", type=float, default=0.40, help="assumed model FLOP utilisation (default 0.40)"
-    )
-    parser.add_argument(
-        "--inter-node-gbps",
-        type=float,
-        default=100.0,
-        help="achieved inter-node bandwidth per GPU in Gbit/s (default 100; a DGX-class node "
-        "with a 400 Gb/s NIC per GPU: up to 400)",
-    )
-    parser.add_argument(
-        "--intra-node-gbps",
-        type=float,
-        default=2400.0,
-        help="achieved NVLink bus bandwidth per GPU in Gbit/s (default 2400 = 300 GB/s)",
-    )
-    parser.add_argument(
-        "--overlap",
-        type=float,
-        default=0.0,
-        help="fraction 0..1 of the communication hidden behind compute (default 0)",
-    )
-    parser.add_argument(
-        "--seq-len",
-        action="append",
-        default=[],
-        metavar="N[,N...]",
-        help="sequence length per phase, in order, where a phase has no manifest "
-        "(default 128, 512)",
-    )
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="vocabulary size where no manifest gives it (default 30522)",
-    )
-    parser.add_argument(
-        "--cuda-overhead-gb",
-        type=float,
-        default=1.5,
-        help="CUDA context/workspace allowance per GPU in GiB (default 1.5)",
-    )
-    parser.add_argument(
-        "--attention-scores",
-        action="store_true",
-        help="count stored s x s attention scores (eager attention) in the activations",
-    )
+    add_dataclass_arguments(parser, PlanOptions, PLAN_FLAGS)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
     parser.set_defaults(handler=_plan)
 
 
-def parse_seq_lens(values: list[str]) -> tuple[int, ...]:
-    """``["128,512"]`` or ``["128", "512"]`` -> ``(128, 512)``."""
-    out: list[int] = []
-    for value in values:
-        for part in value.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            try:
-                out.append(int(part))
-            except ValueError:
-                raise BertpipeError(f"--seq-len {value!r}: expected integers") from None
-    return tuple(out)
-
-
 def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.training.config import PretrainConfig
-    from bertpipe.training.plan import PlanOptions, make_plan
+    from bertpipe.training.plan import make_plan
 
     cfg = config_from_args(PretrainConfig, args)
     if cfg is None:
         return 0
     _check_hardware(cfg, args.gpu)
-    options = PlanOptions(
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        gpu=args.gpu,
-        gpu_memory_gib=args.gpu_memory_gb,
-        mfu=args.mfu,
-        inter_node_gbps=args.inter_node_gbps,
-        intra_node_gbps=args.intra_node_gbps,
-        overlap=args.overlap,
-        seq_lens=parse_seq_lens(args.seq_len),
-        vocab_size=args.vocab_size,
-        cuda_overhead_gib=args.cuda_overhead_gb,
-        attention_scores_stored=args.attention_scores,
-    )
-    plan = make_plan(cfg, options, os.environ)
+    plan = make_plan(cfg, dataclass_from_args(PlanOptions, args, PLAN_FLAGS), os.environ)
     if args.json:
         sys.stdout.write(json.dumps(plan.to_dict()) + "\n")
     else:
@@ -223,11 +151,10 @@ def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
 # --------------------------------------------------------------------------- rendering
 
 
-def render_plan(plan: object) -> str:
+def render_plan(plan: Plan) -> str:
     """The plan as a readable table, one column per phase."""
-    from bertpipe.training.plan import GIB, Plan, format_hmm
+    from bertpipe.training.plan import GIB
 
-    assert isinstance(plan, Plan)
     m = plan.model
     lines = ["bertpipe plan: nothing is started; every figure is an estimate (assumptions below)"]
     lines.append("")
@@ -256,8 +183,8 @@ def render_plan(plan: object) -> str:
     lines.append(f"gpu       {gpu}")
     lines.append("")
 
-    rows: list[tuple[str, list[str]]] = [("", [p.name for p in plan.phases])]
     phases = plan.phases
+    rows: list[tuple[str, list[str]]] = []
     rows.append(("data", [p.data.url for p in phases]))
     rows.append(("max_seq_length", [f"{p.seq_len} ({p.seq_len_source})" for p in phases]))
     rows.append(
@@ -274,7 +201,7 @@ def render_plan(plan: object) -> str:
     rows.append(("steps (warmup)", [f"{p.max_steps:,} ({p.warmup_steps:,})" for p in phases]))
     rows.append(("peak learning rate", [f"{p.learning_rate:g}" for p in phases]))
     rows.append(("samples", [f"{p.samples:,}" for p in phases]))
-    rows.append(("tokens", [_si(p.tokens) for p in phases]))
+    rows.append(("tokens", [format_si(p.tokens) for p in phases]))
     rows.append(("masked positions per sequence", [str(p.num_masked) for p in phases]))
     missing = "data not found"
     rows.append(
@@ -364,7 +291,7 @@ def render_plan(plan: object) -> str:
         timed = [p.time for p in phases if p.time is not None]
         rows.append(("  training FLOPs per step", [f"{t.flops_per_step:.3g}" for t in timed]))
         rows.append(("  compute per step", [f"{t.compute_s:.3f} s" for t in timed]))
-        rows.append(("  communication link", [_link(t) for t in timed]))
+        rows.append(("  communication link", [_link_text(t) for t in timed]))
         rows.append(
             (
                 "  communication per step",
@@ -374,7 +301,7 @@ def render_plan(plan: object) -> str:
         rows.append(("  exposed communication", [f"{t.exposed_comm_s:.3f} s" for t in timed]))
         rows.append(("  time per step", [f"{t.step_s:.3f} s" for t in timed]))
         rows.append(("  time for the phase (h:mm)", [format_hmm(t.phase_s) for t in timed]))
-    lines += _table(rows)
+    lines += _table([p.name for p in phases], rows)
     if plan.total_time_s is not None:
         lines.append(f"{'total time (h:mm)':<{_LABEL_WIDTH}}{plan.total_time_hmm}")
     else:
@@ -388,29 +315,19 @@ def render_plan(plan: object) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _table(rows: list[tuple[str, list[str]]]) -> list[str]:
-    widths = [max(len(values[i]) for _, values in rows) + 2 for i in range(len(rows[0][1]))]
-    out = []
-    for label, values in rows:
-        cells = "".join(f"{v:<{w}}" for v, w in zip(values, widths, strict=True))
-        out.append(f"{label:<{_LABEL_WIDTH}}{cells}".rstrip())
-    return out
+def _table(names: list[str], rows: list[tuple[str, list[str]]]) -> list[str]:
+    """One column per phase under its name, left-aligned, after a column of row labels as
+    wide as the lines printed below the table align to."""
+    labels = Column("", [label for label, _ in rows], min_width=_LABEL_WIDTH - len(GAP))
+    phases = [Column(name, [values[i] for _, values in rows]) for i, name in enumerate(names)]
+    return render_table([labels, *phases], rule=False)
 
 
-def _link(t: object) -> str:
-    from bertpipe.training.plan import StepTime
-
-    assert isinstance(t, StepTime)
+def _link_text(t: StepTime) -> str:
+    """The link of a step's communication as the plan shows it."""
     if t.link == "none":
         return "none (one GPU)"
     return f"{t.link}, {t.bandwidth_gbps:g} Gb/s per GPU"
-
-
-def _si(value: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f}{unit}"
-    return f"{value:g}"
 
 
 def _check_hardware(cfg: PretrainConfig, gpu: str | None) -> None:

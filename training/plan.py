@@ -4,7 +4,8 @@ Everything here is arithmetic on the typed config, the data manifests and a few 
 assumptions: no process group, no DeepSpeed engine, no GPU and no model is built (the
 parameter count is analytic, :meth:`BertModelConfig.num_parameters`). The functions are
 pure; :func:`make_plan` ties them together into a :class:`Plan` that the command line
-prints (:mod:`bertpipe.training.cli_plan`).
+prints (:mod:`bertpipe.training.cli_plan`). Its inputs beyond the config, :class:`PlanOptions`,
+are in :mod:`bertpipe.training.plan_options`.
 
 Symbols used in the formulas below: Ψ parameters, N world size (GPUs), L layers, h hidden
 size, I feed-forward width, a attention heads, V padded vocabulary, s sequence length,
@@ -23,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 from bertpipe import fsio
 from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
+from bertpipe.formatting import format_hmm
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.flops import peak_flops, training_flops_per_sequence
 from bertpipe.training.model import BertModelConfig
+from bertpipe.training.plan_options import DEFAULT_SEQ_LENS, DEFAULT_VOCAB_SIZE, PlanOptions
 
 if TYPE_CHECKING:  # the loader module imports webdataset: only when a manifest is read
     from bertpipe.training.data import Manifest
@@ -64,13 +67,6 @@ __all__ = [
 GIB = 1 << 30
 """Bytes in a GiB; every memory figure of the plan is in GiB (as nvidia-smi's MiB / 1024)."""
 
-DEFAULT_SEQ_LENS = (128, 512)
-"""Sequence length by phase order when neither a manifest nor ``--seq-len`` gives one
-(BERT's two phases; later phases repeat the last)."""
-
-DEFAULT_VOCAB_SIZE = 30522
-"""Google's uncased English WordPiece vocabulary, used when no manifest gives the size."""
-
 ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
 """Elements DeepSpeed flattens per all-reduce without ZeRO (its ``MEMORY_OPT_ALLREDUCE_SIZE``)."""
 
@@ -97,62 +93,7 @@ GPU_MEMORY_GIB: Mapping[str, float] = {
 }
 
 
-# --------------------------------------------------------------------------- inputs
-
-
-@dataclass(frozen=True)
-class PlanOptions:
-    """What the plan needs beyond the config: the cluster and the stated assumptions."""
-
-    nodes: int | None = None
-    """Nodes; None: from the launcher's environment (WORLD_SIZE / LOCAL_WORLD_SIZE), else 1."""
-    gpus_per_node: int | None = None
-    """GPUs per node; None: LOCAL_WORLD_SIZE from the environment, else 1."""
-    gpu: str | None = None
-    """GPU type (h100, h200, a100-80g, v100-32g, ...): peak FLOP/s and memory size."""
-    gpu_memory_gib: float | None = None
-    """GPU memory in GiB; None: from :data:`GPU_MEMORY_GIB` for ``gpu``."""
-    mfu: float = 0.40
-    """Assumed model FLOP utilisation: achieved / dense peak FLOP/s."""
-    inter_node_gbps: float = 100.0
-    """Achieved inter-node bandwidth per GPU in Gbit/s (a DGX-class node with one 400 Gb/s
-    InfiniBand NIC per GPU gives up to ~400; 100 is a cautious cloud/Ethernet figure)."""
-    intra_node_gbps: float = 2400.0
-    """Achieved intra-node (NVLink) bus bandwidth per GPU in Gbit/s (2400 = 300 GB/s)."""
-    overlap: float = 0.0
-    """Fraction (0..1) of the communication hidden behind compute."""
-    seq_lens: tuple[int, ...] = ()
-    """Sequence length per phase (in order) where a phase's manifest is absent."""
-    vocab_size: int | None = None
-    """Vocabulary size where no manifest gives one (None: :data:`DEFAULT_VOCAB_SIZE`)."""
-    cuda_overhead_gib: float = 1.5
-    """CUDA context, cuBLAS/NCCL workspaces and allocator slack per GPU, in GiB (assumed)."""
-    mask_fraction: float = 0.15
-    """Masked share of a sequence where no manifest gives ``max_predictions_per_seq``."""
-    attention_scores_stored: bool = False
-    """Count the s x s attention scores as stored activations (an eager attention); the
-    model's SDPA kernels do not store them."""
-
-    def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node", "vocab_size"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise BertpipeError(f"plan option {name}={value}: must be at least 1")
-        if not 0.0 < self.mfu <= 1.0:
-            raise BertpipeError(f"plan option mfu={self.mfu}: must be in (0, 1]")
-        if not 0.0 <= self.overlap <= 1.0:
-            raise BertpipeError(f"plan option overlap={self.overlap}: must be in [0, 1]")
-        for name in ("inter_node_gbps", "intra_node_gbps"):
-            if getattr(self, name) <= 0:
-                raise BertpipeError(f"plan option {name}={getattr(self, name)}: must be positive")
-        if self.gpu_memory_gib is not None and self.gpu_memory_gib <= 0:
-            raise BertpipeError(f"plan option gpu_memory_gib={self.gpu_memory_gib}: must be > 0")
-        if self.cuda_overhead_gib < 0:
-            raise BertpipeError("plan option cuda_overhead_gib: must not be negative")
-        if not 0.0 < self.mask_fraction < 1.0:
-            raise BertpipeError(f"plan option mask_fraction={self.mask_fraction}: not in (0, 1)")
-        if any(s < 1 for s in self.seq_lens):
-            raise BertpipeError(f"plan option seq_lens={list(self.seq_lens)}: must be >= 1")
+# --------------------------------------------------------------------------- world
 
 
 @dataclass(frozen=True)
@@ -516,12 +457,6 @@ def step_time(
     )
 
 
-def format_hmm(seconds: float) -> str:
-    """Seconds as ``h:mm`` (rounded to the minute): 3725 -> ``1:02``."""
-    minutes = round(seconds / 60.0)
-    return f"{minutes // 60}:{minutes % 60:02d}"
-
-
 # --------------------------------------------------------------------------- data
 
 
@@ -764,7 +699,7 @@ def make_plan(
             flops_seq = training_flops_per_sequence(
                 model_cfg, seq_len, num_masked, model_cfg.activation_checkpointing
             )
-            link, gbps = _link(world, options)
+            link, gbps = _slowest_link(world, options)
             timing = step_time(
                 flops_per_step=flops_seq * phase.global_batch_size,
                 world_size=world.size,
@@ -924,7 +859,8 @@ def _data_warnings(name: str, data: DataPlan, warnings: list[str]) -> None:
         warnings.append(f"{name}: {data.epochs:.0f} epochs of the data: expect overfitting")
 
 
-def _link(world: World, options: PlanOptions) -> tuple[str, float | None]:
+def _slowest_link(world: World, options: PlanOptions) -> tuple[str, float | None]:
+    """The link a step's gradients cross (the slowest the world has) and its bandwidth."""
     if world.size == 1:
         return "none", None
     if world.nodes > 1:
