@@ -124,7 +124,10 @@ def test_bad_input_is_counted_and_inputs_untouched(tokenizer_dir: Path, tmp_path
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "bertpipe.app.cli", *args], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "bertpipe.app.cli", *args],
+        capture_output=True,
+        text=True,
+        check=False,
     )
 
 
