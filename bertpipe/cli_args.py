@@ -223,43 +223,43 @@ def add_dataclass_arguments(
     hints = typing.get_type_hints(cls)
     for f in _selected(cls, fields):
         spec = flags.get(f.name, Flag())
-        name = spec.name or "--" + f.name.replace("_", "-")
+        name = _flag_name(f.name, spec)
         base, optional = _unwrap_optional(hints[f.name])
         default = _default(f)
         text = _help_text(spec.help or docs.get(f.name, ""))
-        kwargs: dict[str, Any] = {"dest": f.name}
-        if base is not bool:
-            kwargs["metavar"] = spec.metavar or name.lstrip("-").replace("-", "_").upper()
-        if base is bool and optional:
+        where = f"{cls.__name__}.{f.name}"
+        if base is bool and optional:  # True, False or unset: two switches
             pair = parser.add_mutually_exclusive_group()
             pair.add_argument(
-                name, action="store_const", const=True, default=None, help=text, **kwargs
+                name, dest=f.name, action="store_const", const=True, default=None, help=text
             )
             negative = spec.negative or "--no-" + name.removeprefix("--")
             negative_help = _help_text(spec.negative_help or f"the opposite of {name}")
             pair.add_argument(
-                negative, action="store_const", const=False, help=negative_help, **kwargs
+                negative, dest=f.name, action="store_const", const=False, help=negative_help
             )
             continue
         if base is bool:
             if default is not False:
-                raise TypeError(f"{cls.__name__}.{f.name}: a bool flag must default to False")
-            parser.add_argument(name, action="store_true", help=text, **kwargs)
+                raise TypeError(f"{where}: a switch must default to False")
+            parser.add_argument(name, dest=f.name, action="store_true", help=text)
             continue
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "metavar": spec.metavar or name.lstrip("-").replace("-", "_").upper(),
+        }
         item = _item_type(base)
-        if item is not None or spec.parse is not None:
-            if item is None and not (typing.get_origin(base) in (dict, Mapping) or base is dict):
-                raise TypeError(f"{cls.__name__}.{f.name}: {base} cannot be a flag")
+        if item is not None or spec.parse is not None:  # repeatable
+            if item is None and typing.get_origin(base) not in (dict, Mapping) and base is not dict:
+                raise TypeError(f"{where}: {base} cannot be a flag")
             if spec.separator is None and item in (int, float):
-                kwargs["type"] = item
+                kwargs["type"] = item  # else converted after the split
             sep = {",": "comma", " ": "space"}.get(spec.separator or "", spec.separator)
-            more = f", or {sep}-separated" if sep else ""
-            parser.add_argument(
-                name, action="append", default=[], help=_note(text, f"repeatable{more}"), **kwargs
-            )
+            text = _note(text, f"repeatable, or {sep}-separated" if sep else "repeatable")
+            parser.add_argument(name, action="append", default=[], help=text, **kwargs)
             continue
         if base not in (int, float, str):
-            raise TypeError(f"{cls.__name__}.{f.name}: {base} cannot be a flag")
+            raise TypeError(f"{where}: {base} cannot be a flag")
         if spec.choices is not None:
             kwargs["choices"] = list(spec.choices)
         if default is not None:
@@ -288,16 +288,19 @@ def dataclass_from_args(
         spec = flags.get(f.name, Flag())
         value = values[f.name]
         base, _ = _unwrap_optional(hints[f.name])
+        item = _item_type(base)
         if spec.parse is not None:
             value = spec.parse(list(value))
-        elif _item_type(base) is not None:
-            item = _item_type(base)
+        elif item is not None:
             if spec.separator is not None:
-                name = spec.name or "--" + f.name.replace("_", "-")
-                value = _split(value, spec.separator, item, name)
+                value = _split(value, spec.separator, item, _flag_name(f.name, spec))
             value = tuple(value) if typing.get_origin(base) is tuple else list(value)
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+def _flag_name(field: str, spec: Flag) -> str:
+    return spec.name or "--" + field.replace("_", "-")
 
 
 def _selected(cls: type, names: Sequence[str] | None) -> list[dataclasses.Field[Any]]:
