@@ -187,14 +187,3 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
         yield server.uri
     finally:
         server.stop()
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Kill loader workers a test left behind: they ignore SIGTERM (so that a preempted
-    trainer can still checkpoint), and multiprocessing's exit handler would wait for them
-    forever after terminating them with SIGTERM."""
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        child.kill()
-        child.join(timeout=10)
