@@ -39,11 +39,15 @@ def add_finetune_command(sub: argparse._SubParsersAction) -> None:
 def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.finetuning.config import FinetuneConfig
     from bertpipe.finetuning.loop import run_finetuning
+    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
     cfg = config_from_args(FinetuneConfig, args)
     if cfg is None:
         return 0
-    result = run_finetuning(cfg)
+    try:
+        result = run_finetuning(cfg)
+    except PreemptedError:  # saved (and logged); the same command continues the run
+        return PREEMPTED_EXIT_CODE
     summary = {
         "run_id": result.run_id,
         "best_epoch": result.best_epoch,
@@ -84,11 +88,15 @@ def add_sweep_command(sub: argparse._SubParsersAction) -> None:
 def _sweep(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.finetuning.config import FinetuneConfig
     from bertpipe.finetuning.sweep import run_sweep
+    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
     cfg = config_from_args(FinetuneConfig, args)
     if cfg is None:
         return 0
-    result = run_sweep(cfg)
+    try:
+        result = run_sweep(cfg)
+    except PreemptedError:  # the trial in progress saved (and logged) its checkpoint
+        return PREEMPTED_EXIT_CODE
     summary = {
         "run_id": result.run_id,
         "best_run_id": result.best.run_id,

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from bertpipe.config import ConfigError
 from bertpipe.tracking import TrackingConfig
-from bertpipe.training.config import ZeroConfig
+from bertpipe.training.config import CheckpointConfig, ZeroConfig
 
 __all__ = ["FinetuneConfig", "SweepSpec", "TaskConfig"]
 
@@ -96,13 +97,14 @@ class FinetuneConfig:
     output: str | None = None
     """Run folder: best model, predictions, resolved config. Null: a new folder
     ``<output_root>/<task name>-<UTC time>`` (``sweep-<task name>-<UTC time>`` for sweeps)
-    per run. A given folder that already holds files is refused unless ``overwrite=true``."""
+    per run. A given folder that already holds files is refused unless ``overwrite=true``,
+    or it holds a stopped run's checkpoint (``checkpoint.resume=auto`` continues it)."""
     output_root: str = "runs/finetune"
     """Where the run folders of runs without ``output`` are made."""
     overwrite: bool = False
     """Let ``output`` name a folder that holds a previous run: its ``best/``,
-    ``predictions/``, ``trial-*/`` and ``finetune.yaml`` are deleted first (other files are
-    left alone)."""
+    ``predictions/``, ``checkpoints/``, ``trial-*/`` and ``finetune.yaml`` are deleted first
+    (other files are left alone); it starts afresh even if it holds a checkpoint."""
     init_from: str | None = None
     """Where the encoder comes from: a transformers BERT folder (``bertpipe export``'s or
     any HF BERT), or a bertpipe pre-training checkpoint folder (with ``latest``)."""
@@ -141,6 +143,12 @@ class FinetuneConfig:
     """Sequences per evaluation forward pass (every rank runs the whole dev set)."""
     save_model: bool = True
     """Save the best epoch's model (an HF folder) and log it to MLflow."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints of the run, as pre-training's: every ``every_steps`` optimizer steps and
+    on SIGTERM (then exit status 143), in ``<output>/checkpoints`` unless ``dir`` is set. A
+    run started again with the same ``output`` continues from the latest one
+    (``resume=auto``) exactly: same batches, dropout and metrics as without the stop. They
+    are deleted when the run completes (``best/`` and the predictions are its result)."""
     register: str | None = None
     """Register the best epoch's model under this name in MLflow's model registry (the
     ``pytorch`` flavour: ``mlflow.pytorch.load_model("models:/NAME/VERSION")`` loads it back
@@ -172,6 +180,15 @@ class FinetuneConfig:
                 raise ConfigError(
                     "register", "needs MLflow: set tracking.enabled=true (and tracking.uri)"
                 )
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """``checkpoint.dir``, else ``<output>/checkpoints`` (once ``output`` is set)."""
+        if self.checkpoint.dir:
+            return self.checkpoint.dir
+        if not self.output:
+            raise ConfigError("output", "the run's folder is chosen before its checkpoints")
+        return str(Path(self.output) / "checkpoints")
 
     def micro_batch(self, world_size: int) -> int:
         micro = self.micro_batch_size or max(1, self.batch_size // world_size)

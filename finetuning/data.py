@@ -29,10 +29,19 @@ from bertpipe.finetuning.tasks.base import (
     check_max_seq_length,
     take,
 )
+from bertpipe.seeding import rng_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EvalSet", "TaskData", "batches", "load_task", "model_inputs", "score"]
+__all__ = [
+    "EvalSet",
+    "TaskData",
+    "TrainBatches",
+    "batches",
+    "load_task",
+    "model_inputs",
+    "score",
+]
 
 MODEL_KEYS = ("input_ids", "token_type_ids", "attention_mask")
 LABEL_KEYS = ("labels", "start_positions", "end_positions")
@@ -176,8 +185,9 @@ def batches(
     order: np.ndarray | None = None,
     rank: int = 0,
     world_size: int = 1,
+    skip: int = 0,
 ) -> Iterator[Features]:
-    """Micro-batches of ``features`` in ``order`` (default: as stored).
+    """Micro-batches of ``features`` in ``order`` (default: as stored), from batch ``skip``.
 
     Training: every rank takes every ``world_size``-th row of the shuffled order and only
     whole batches, so all ranks step the same number of times.
@@ -188,8 +198,64 @@ def batches(
     if world_size > 1:
         per_rank = (n // world_size) // batch_size * batch_size
         index = index[rank::world_size][:per_rank]
-    for start in range(0, len(index), batch_size):
+    for start in range(skip * batch_size, len(index), batch_size):
         yield take(features, index[start : start + batch_size])
+
+
+class TrainBatches:
+    """One rank's training micro-batches, epoch after epoch (from 1), exactly resumable.
+
+    Epoch ``e`` reads the rows in the order ``rng_for(seed, "finetune-order", e)`` gives,
+    every rank its share (:func:`batches`), ``per_epoch`` micro-batches each. Like the
+    pre-training loader it is a ``Stateful``: ``state_dict()`` is ``{"epoch": e, "batches":
+    c}`` (c micro-batches of epoch e handed out), and a fresh one given it by
+    ``load_state_dict`` yields exactly the batches that would have come next.
+    """
+
+    def __init__(
+        self,
+        features: Features,
+        micro_batch_size: int,
+        *,
+        per_epoch: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.features = features
+        self.micro_batch_size = micro_batch_size
+        self.per_epoch = per_epoch
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.epoch, self.batches = 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        epoch, consumed = int(state["epoch"]), int(state["batches"])
+        if epoch < 1 or not 0 <= consumed < self.per_epoch:
+            raise ValueError(f"invalid position {state} for {self.per_epoch} batches per epoch")
+        self.epoch, self.batches = epoch, consumed
+
+    def __iter__(self) -> Iterator[Features]:
+        n = len(self.features["input_ids"])
+        while True:
+            order = rng_for(self.seed, "finetune-order", self.epoch).permutation(n)
+            epoch = batches(
+                self.features,
+                self.micro_batch_size,
+                order=order,
+                rank=self.rank,
+                world_size=self.world_size,
+                skip=self.batches,
+            )
+            for batch in epoch:
+                self.batches += 1
+                if self.batches == self.per_epoch:
+                    self.epoch, self.batches = self.epoch + 1, 0
+                yield batch
+                if self.batches == 0:
+                    break
 
 
 # --------------------------------------------------------------------------- scoring

@@ -10,11 +10,21 @@ order all come from it.
 Every run has its own folder (:func:`run_folder`): ``output`` if given, never silently
 replacing a previous run's files, else a new ``<output_root>/<task>-<UTC time>`` chosen on
 rank 0 and broadcast. Metrics are logged against the optimizer step (``epoch`` is a metric of
-its own). Fine-tuning does not resume: a stopped run is started again in a new folder.
+its own).
+
+The training core is pre-training's: the engine (:func:`~bertpipe.training.engine.
+build_engine`), the guarded optimizer step (:class:`~bertpipe.training.step.OptimizerStep`:
+non-finite steps skipped, counted and bounded by ``max_bad_steps``), the cadence of
+checkpoints and SIGTERM checks and the checkpoints themselves. A run checkpoints every
+``checkpoint.every_steps`` steps and on SIGTERM (exit status 143); started again with the
+same ``output`` it continues from the latest checkpoint (``checkpoint.resume=auto``) with the
+same batches, dropout, partial epoch loss and best epoch so far, so it ends with the metrics
+the uninterrupted run has. A completed run deletes its checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -33,10 +43,11 @@ import torch
 import torch.distributed as dist
 
 from bertpipe import fsio, tracking
-from bertpipe.config import ConfigError, to_yaml
+from bertpipe.config import ConfigError, redacted, to_dict, to_yaml
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.data import (
     TaskData,
+    TrainBatches,
     batches,
     load_task,
     model_inputs,
@@ -49,19 +60,24 @@ from bertpipe.finetuning.heads import (
     BertForTokenClassification,
     BertTaskModel,
 )
-from bertpipe.seeding import rng_for
+from bertpipe.training import checkpoint as ckpt
+from bertpipe.training.cadence import Cadence, PreemptedError, StopFlag
 from bertpipe.training.config import OptimizerConfig
-from bertpipe.training.engine import DistInfo, deepspeed_config, init_distributed
+from bertpipe.training.engine import DistInfo, EngineSpec, build_engine, init_distributed
 from bertpipe.training.export import TOKENIZER_FILES
+from bertpipe.training.faults import Faults
+from bertpipe.training.guard import NonFiniteError, SkipGuard, weights_finite
 from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.model import BertModelConfig
-from bertpipe.training.optim import build_optimizer, warmup_decay
-from bertpipe.training.trainer import (
-    NonFiniteError,
-    _Faults,
-    _poisoned,
-    _skip_nonfinite_updates,
+from bertpipe.training.optim import warmup_decay
+from bertpipe.training.resume import (
+    FINETUNE_FIXED,
+    changed_settings,
+    check_changes,
+    log_changes,
+    mlflow_tags,
 )
+from bertpipe.training.step import OptimizerStep
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +94,7 @@ __all__ = [
 TAG_SOURCE_RUN = "bertpipe.source_run_id"
 """The pre-training run whose export (or checkpoint) a fine-tuning run starts from."""
 TAG_REGISTERED = "bertpipe.registered_model"
-RUN_OUTPUTS = ("best", "predictions", "finetune.yaml")
+RUN_OUTPUTS = ("best", "predictions", "checkpoints", "finetune.yaml")
 """What a fine-tuning run writes in its folder (a sweep: ``trial-*`` folders of these)."""
 
 
@@ -186,9 +202,10 @@ def run_folder(cfg: FinetuneConfig, info: DistInfo, prefix: str = "") -> str:
     """The run's folder, the same on every rank: chosen (and made) by rank 0, broadcast.
 
     ``cfg.output`` if given; a folder that already holds files is refused (a
-    :class:`ConfigError` on every rank) unless ``overwrite=true``, which deletes the previous
-    run's outputs (:data:`RUN_OUTPUTS`, ``trial-*``) first. Without ``output``: a new folder
-    ``<output_root>/<prefix><task name>-<UTC time>`` (``-2``, ``-3``... if taken).
+    :class:`ConfigError` on every rank) unless it holds a stopped run's checkpoint that
+    ``checkpoint.resume`` continues (not for sweeps), or ``overwrite=true``, which deletes the
+    previous run's outputs (:data:`RUN_OUTPUTS`, ``trial-*``) first. Without ``output``: a new
+    folder ``<output_root>/<prefix><task name>-<UTC time>`` (``-2``, ``-3``... if taken).
     """
     decision: list[Any] = [None]
     if info.is_main:
@@ -210,6 +227,9 @@ def _choose_folder(cfg: FinetuneConfig, prefix: str) -> str:
         if folder.exists() and not folder.is_dir():
             raise ConfigError("output", f"{folder} is a file: choose a folder for output=")
         if folder.is_dir() and any(folder.iterdir()):
+            if not cfg.overwrite and not prefix and _resumable(cfg, folder):
+                log.info("%s holds a stopped run's checkpoint: continuing it", folder)
+                return str(folder)
             if not cfg.overwrite:
                 raise ConfigError(
                     "output",
@@ -224,6 +244,8 @@ def _choose_folder(cfg: FinetuneConfig, prefix: str) -> str:
                     shutil.rmtree(path)
                 else:
                     path.unlink()
+            if cfg.checkpoint.dir:  # elsewhere: the previous run's checkpoints go too
+                ckpt.remove_all(cfg.checkpoint.dir)
             log.warning("overwrite=true: replacing the previous run's outputs in %s", folder)
         folder.mkdir(parents=True, exist_ok=True)
         return str(folder)
@@ -239,6 +261,17 @@ def _choose_folder(cfg: FinetuneConfig, prefix: str) -> str:
             continue
         return str(folder)
     raise AssertionError("unreachable")
+
+
+def _resumable(cfg: FinetuneConfig, folder: Path) -> bool:
+    """Whether ``folder`` (a run's ``output``) has a checkpoint that ``checkpoint.resume``
+    continues from."""
+    if cfg.checkpoint.resume == "none":
+        return False
+    checkpoints = cfg.checkpoint.dir or str(folder / "checkpoints")
+    if cfg.checkpoint.resume == "auto":
+        return ckpt.latest_tag(checkpoints) is not None
+    return (Path(checkpoints) / cfg.checkpoint.resume).is_dir()
 
 
 def _build_head(data: TaskData, model_cfg: BertModelConfig, cfg: FinetuneConfig) -> BertTaskModel:
@@ -293,10 +326,53 @@ def _check_tokenizer(tokenizer: Any, init: Initialisation, model_cfg: BertModelC
         )
 
 
+@dataclass
+class _Best:
+    """The best epoch so far and every epoch's metrics (the same on every rank; saved in the
+    checkpoints, so that a resumed run selects as the uninterrupted one)."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    epoch: int = 0
+    step: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_state(cls, loop: dict[str, Any]) -> _Best:
+        return cls(
+            dict(loop.get("best", {})),
+            int(loop.get("best_epoch", 0)),
+            int(loop.get("best_step", 0)),
+            list(loop.get("history", [])),
+        )
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "best": self.metrics,
+            "best_epoch": self.epoch,
+            "best_step": self.step,
+            "history": self.history,
+        }
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """How the training file divides into steps on this world size."""
+
+    inputs: int
+    micro: int
+    accumulation: int
+    steps_per_epoch: int
+    epochs: int
+
+    @property
+    def total(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+
 class Finetuner:
     """One fine-tuning run on this rank."""
 
-    def __init__(self, cfg: FinetuneConfig, info: DistInfo) -> None:
+    def __init__(self, cfg: FinetuneConfig, info: DistInfo, faults: Faults | None = None) -> None:
         from bertpipe.preprocessing.tokenizer import load_tokenizer
 
         cfg.check_runnable()
@@ -322,6 +398,52 @@ class Finetuner:
         # every rank takes the folder rank 0 chose (a copy: the caller's config is unchanged)
         self.cfg = cfg = dataclasses.replace(cfg, output=run_folder(cfg, info))
         self.output = Path(str(cfg.output))
+        self.folder = cfg.checkpoint_dir
+        self.faults = faults if faults is not None else Faults.from_environ(info.rank)
+        self.stop = StopFlag()
+        self.cadence = Cadence(
+            checkpoint_every=cfg.checkpoint.every_steps,
+            preemption_every=cfg.checkpoint.preemption_check_steps,
+        )
+        self.guard = SkipGuard(cfg.max_bad_steps, log_rank=info.is_main)
+        self.train_sha256 = _file_sha256(cfg.task.train)
+        self.resume = self._resume_point()
+        self.run_id: str | None = None
+
+    def _resume_point(self) -> ckpt.ResumeState | None:
+        """The checkpoint to continue from, read once (None: a fresh run)."""
+        resume = self.cfg.checkpoint.resume
+        if resume == "none":
+            if ckpt.has_checkpoints(self.folder):
+                raise ConfigError(
+                    "checkpoint.resume",
+                    f"is none but {self.folder} holds checkpoints: resume with auto, or use "
+                    "another output / checkpoint.dir",
+                )
+            return None
+        tag = ckpt.latest_tag(self.folder) if resume == "auto" else resume
+        return None if tag is None else ckpt.ResumeState.read(self.folder, tag, self.info.rank)
+
+    def _continue_from(self, resume: ckpt.ResumeState) -> dict[str, tuple[Any, Any]]:
+        """Check a resume against this run (ranks, data, settings); returns the settings
+        that changed since the checkpoint."""
+        state = resume.state
+        if not resume.same_world(self.info.world_size):
+            raise ConfigError(
+                "checkpoint.resume",
+                f"{resume.tag} was saved by {state.world_size} rank(s), this run has "
+                f"{self.info.world_size}: fine-tuning resumes on as many ranks as it was "
+                "saved on",
+            )
+        current = {"finetune": self.train_sha256}
+        ckpt.check_data(state, current, resume.tag, self.cfg.checkpoint.allow_data_change)
+        changes = changed_settings(state.config, redacted(to_dict(self.cfg)))
+        check_changes(changes, FINETUNE_FIXED, self.cfg.checkpoint.allow_changes, resume.tag)
+        if self.info.is_main:
+            log_changes(changes, resume.tag)
+        self.run_id = state.mlflow_run_id
+        self.guard.skipped = state.skipped_steps
+        return changes
 
     def _model(self) -> BertTaskModel:
         torch.manual_seed(self.cfg.seed)  # the head's initialisation, identical on every rank
@@ -339,166 +461,263 @@ class Finetuner:
         """Train, evaluate, keep the best epoch; ``upload_model=False`` keeps the best model's
         folder but does not log it to MLflow (a sweep uploads its best trial's only)."""
         cfg, data = self.cfg, self.data
+        changes = self._continue_from(self.resume) if self.resume is not None else {}
         tags = {
             "bertpipe.task": data.spec.name,
             "bertpipe.init": "random" if cfg.random_init else "pretrained",
-            "bertpipe.finetune_data_sha256": _file_sha256(cfg.task.train),
+            "bertpipe.finetune_data_sha256": self.train_sha256,
         }
         for phase, sha in self.init.data_sha256.items():
             tags[f"{tracking.TAG_DATA_CHECKSUM}.{phase}"] = sha
         if self.init.pretrain_run_id:
             tags[TAG_SOURCE_RUN] = self.init.pretrain_run_id
+        context: Any = contextlib.nullcontext()
         if self.info.is_main:
             self.output.mkdir(parents=True, exist_ok=True)
             (self.output / "finetune.yaml").write_text(to_yaml(cfg))
             context = tracking.start_run(
                 cfg.tracking,
                 "finetune",
-                config=cfg,
+                config=cfg if self.run_id is None else None,
                 run_name=run_name or cfg.tracking.run_name or f"{data.spec.name}",
                 tags=tags,
                 parent_run_id=self.init.pretrain_run_id,
+                resume_run_id=self.run_id,
                 nested_in=nested_in,
                 buffer=tracking.buffer_path(self.output),
             )
-        else:
-            import contextlib
-
-            context = contextlib.nullcontext()
         with context as run:
-            result = self._train(run.info.run_id if run is not None else None)
+            if run is not None:
+                self.run_id = run.info.run_id
+                if changes:
+                    step = self.resume.state.global_step if self.resume else 0
+                    tracking.set_tags(mlflow_tags(changes, step))
+            with self.stop:
+                result = self._train()
             if run is not None:
                 self._log_final(result, upload_model)
+        if self.info.is_main:  # complete: best/ and the predictions are the run's result
+            removed = ckpt.remove_all(self.folder)
+            if removed:
+                log.info("run complete: removed its checkpoints %s", ", ".join(removed))
         return result
 
     # ---------------------------------------------------------------- training
 
-    def _train(self, run_id: str | None) -> FinetuneResult:
-        import deepspeed
-
-        cfg, data, info = self.cfg, self.data, self.info
-        n = len(data.train["input_ids"])
-        per_rank = (n // info.world_size) // self.micro
-        accumulation = cfg.batch_size // (self.micro * info.world_size)
-        steps_per_epoch = per_rank // accumulation
+    def _schedule(self) -> _Schedule:
+        cfg, world = self.cfg, self.info.world_size
+        n = len(self.data.train["input_ids"])
+        accumulation = cfg.batch_size // (self.micro * world)
+        steps_per_epoch = ((n // world) // self.micro) // accumulation
         if steps_per_epoch < 1:
             raise ConfigError(
                 "batch_size", f"{n} training inputs are too few for one batch of {cfg.batch_size}"
             )
-        total = steps_per_epoch * cfg.epochs
-        model = self._model()
-        optimizer = build_optimizer(
-            model,
-            OptimizerConfig(weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm),
-            cfg.learning_rate,
-            offload=cfg.zero.offload_optimizer == "cpu",
-        )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, warmup_decay(round(cfg.warmup * total), total)
-        )
-        engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            config=deepspeed_config(
-                micro_batch_size=self.micro,
-                global_batch_size=cfg.batch_size,
-                world_size=info.world_size,
-                zero=cfg.zero,
-                precision=cfg.precision,
-                max_grad_norm=cfg.max_grad_norm,
+        return _Schedule(n, self.micro, accumulation, steps_per_epoch, cfg.epochs)
+
+    def engine_spec(self, plan: _Schedule) -> EngineSpec:
+        cfg = self.cfg
+        return EngineSpec(
+            micro_batch_size=self.micro,
+            global_batch_size=cfg.batch_size,
+            world_size=self.info.world_size,
+            zero=cfg.zero,
+            precision=cfg.precision,
+            optimizer=OptimizerConfig(
+                weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm
             ),
+            learning_rate=cfg.learning_rate,
+            schedule=warmup_decay(round(cfg.warmup * plan.total), plan.total),
+            universal=cfg.checkpoint.universal,
         )
+
+    def _train(self) -> FinetuneResult:
+        cfg, data, info = self.cfg, self.data, self.info
+        plan = self._schedule()
+        spec = self.engine_spec(plan)
+        engine, _ = build_engine(self._model(), spec)
+        loader = TrainBatches(
+            data.train,
+            self.micro,
+            per_epoch=plan.steps_per_epoch * plan.accumulation,
+            seed=cfg.seed,
+            rank=info.rank,
+            world_size=info.world_size,
+        )
+        loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)  # this epoch's
+        best, step = _Best(), 0
+        if self.resume is not None:
+            best, step = self._restore(engine, spec, loader, loss_sum)
         log.info(
-            "fine-tuning %s: %d inputs, %d epochs x %d steps of %d (%d x %d x %d), lr %.1e",
+            "fine-tuning %s: %d inputs, %d epochs x %d steps of %d (%d x %d x %d), lr %.1e%s",
             data.spec.name,
-            n,
+            plan.inputs,
             cfg.epochs,
-            steps_per_epoch,
+            plan.steps_per_epoch,
             cfg.batch_size,
             self.micro,
-            accumulation,
+            plan.accumulation,
             info.world_size,
             cfg.learning_rate,
+            f", resumed at step {step}" if step else "",
         )
-        main = data.spec.main_metric
-        better = (lambda a, b: a > b) if data.spec.greater_is_better else (lambda a, b: a < b)
-        best: dict[str, float] = {}
-        best_epoch = best_step = 0
-        history = []
-        step = 0
-        skipped_steps = bad_streak = 0  # steps not applied for non-finite values
-        _skip_nonfinite_updates(engine)  # at ZeRO 0 DeepSpeed would apply them
-        faults = _Faults(info.rank)
-        for epoch in range(1, cfg.epochs + 1):
-            started = time.monotonic()
-            order = rng_for(cfg.seed, "finetune-order", epoch).permutation(n)
-            loss_sum = torch.zeros((), dtype=torch.float64, device=info.device)
-            micro_steps = 0
-            for batch in batches(
-                data.train, self.micro, order=order, rank=info.rank, world_size=info.world_size
-            ):
-                if micro_steps >= steps_per_epoch * accumulation:
-                    break
-                out = engine(**model_inputs(batch, info.device, with_labels=True))
-                loss = out.loss
-                if faults.nan(step + micro_steps // accumulation + 1):
-                    loss = loss * math.nan
-                boundary = engine.is_gradient_accumulation_boundary()
-                skipped_before = engine.skipped_steps
-                engine.backward(_poisoned(loss))  # non-finite: NaN gradients, a skipped step
-                engine.step()
-                loss_sum += loss.detach().double()
-                micro_steps += 1
-                if boundary:  # DeepSpeed's overflow check has read the device already
-                    skipped = engine.skipped_steps - skipped_before
-                    skipped_steps += skipped
-                    bad_streak = bad_streak + 1 if skipped else 0
-                    if bad_streak >= cfg.max_bad_steps:
-                        raise NonFiniteError(
-                            f"epoch {epoch}: {bad_streak} optimizer steps in a row had a "
-                            f"non-finite loss or gradient (max_bad_steps={cfg.max_bad_steps}); "
-                            "nothing was saved from them: lower learning_rate or check the data"
-                        )
-            step += steps_per_epoch
-            dist.all_reduce(loss_sum)
-            train_loss = float(loss_sum) / max(1, micro_steps * info.world_size)
-            metrics = self._evaluate(engine, epoch)
-            epoch_metrics = {
-                "train/loss": train_loss,
-                "train/skipped_steps": skipped_steps,
-                "epoch_seconds": time.monotonic() - started,
-            }
-            epoch_metrics.update({f"eval/{k}": v for k, v in metrics.items()})
-            history.append({"epoch": epoch, "step": step, **epoch_metrics})
-            if info.is_main:
-                log.info(
-                    "epoch %d/%d: train loss %.4f, %s",
-                    epoch,
-                    cfg.epochs,
-                    train_loss,
-                    ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if "/" not in k),
-                )
-                if run_id is not None:
-                    # the step axis is optimizer steps, as pre-training's; epoch is a metric
-                    tracking.log_metrics({**epoch_metrics, "epoch": epoch}, step=step)
-            value = metrics.get(main, math.nan)
-            if not best or (math.isfinite(value) and better(value, best.get(main, math.nan))):
-                best, best_epoch, best_step = metrics, epoch, step
-                if cfg.save_model:
-                    self._save_best(engine)
-            dist.barrier()
+        optimizer_step = OptimizerStep(
+            engine,
+            plan.accumulation,
+            faults=self.faults,
+            on_output=lambda out, _: loss_sum.add_(out.loss.detach().double()),
+        )
+        inputs = (model_inputs(batch, info.device, with_labels=True) for batch in loader)
+        started = time.monotonic()
+        while step < plan.total:
+            epoch = loader.epoch  # the epoch of this step's batches
+            result = optimizer_step(step + 1, inputs)
+            step += 1
+            where = f"epoch {epoch} step {step}"
+            self.guard.record(result.skipped, where)
+            ended = step >= plan.total
+            due = self.cadence.after_step(
+                step,
+                ended=ended,
+                streak=self.guard.streak,
+                exhausted=self.guard.exhausted,
+                stop=self.stop,
+                device=info.device,
+            )
+            if self.guard.exhausted:
+                raise self.guard.error(where, ckpt.latest_tag(self.folder))
+            if step % plan.steps_per_epoch == 0:
+                self._end_epoch(engine, epoch, step, plan, loss_sum, best, started)
+                loss_sum.zero_()
+                started = time.monotonic()
+            if ended:  # no checkpoint of a complete run
+                break
+            if due.deferred and info.is_main:
+                log.warning("%s: checkpoint deferred, the last steps were skipped", where)
+            if due.save:
+                self._save(engine, step, loader, best, loss_sum, good=not self.guard.streak)
+            if due.stop:
+                raise PreemptedError(f"stopped by SIGTERM at {where}")
         del engine
         return FinetuneResult(
-            run_id,
-            best,
-            best_epoch,
-            main,
+            self.run_id,
+            best.metrics,
+            best.epoch,
+            data.spec.main_metric,
             data.spec.greater_is_better,
-            history,
+            best.history,
             str(self.output),
-            best_step,
+            best.step,
         )
+
+    def _restore(
+        self, engine: Any, spec: EngineSpec, loader: TrainBatches, loss_sum: torch.Tensor
+    ) -> tuple[_Best, int]:
+        """Continue from :attr:`resume`: engine, this config's rates and schedule, RNG states,
+        data position, the epoch's partial loss and the best epoch so far."""
+        resume = self.resume
+        assert resume is not None and resume.rank_state is not None
+        engine.load_checkpoint(self.folder, tag=resume.tag)
+        spec.apply_to(engine)
+        ckpt.restore_rng(resume.rank_state["rng"])
+        loader.load_state_dict(resume.rank_state["data"])
+        loss_sum.fill_(float(resume.rank_state.get("loop", {}).get("loss_sum", 0.0)))
+        log.info("resumed fine-tuning at step %d from %s", resume.state.global_step, resume.tag)
+        return _Best.from_state(resume.state.loop), resume.state.global_step
+
+    def _end_epoch(
+        self,
+        engine: Any,
+        epoch: int,
+        step: int,
+        plan: _Schedule,
+        loss_sum: torch.Tensor,
+        best: _Best,
+        started: float,
+    ) -> None:
+        """Evaluate, log, and keep the model if this epoch is the best so far."""
+        cfg, info = self.cfg, self.info
+        dist.all_reduce(loss_sum)
+        micro_steps = plan.steps_per_epoch * plan.accumulation
+        train_loss = float(loss_sum) / max(1, micro_steps * info.world_size)
+        metrics = self._evaluate(engine, epoch)
+        epoch_metrics = {
+            "train/loss": train_loss,
+            "train/skipped_steps": self.guard.skipped,
+            "epoch_seconds": time.monotonic() - started,
+        }
+        epoch_metrics.update({f"eval/{k}": v for k, v in metrics.items()})
+        best.history.append({"epoch": epoch, "step": step, **epoch_metrics})
+        if info.is_main:
+            log.info(
+                "epoch %d/%d: train loss %.4f, %s",
+                epoch,
+                cfg.epochs,
+                train_loss,
+                ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if "/" not in k),
+            )
+            if self.run_id is not None:
+                # the step axis is optimizer steps, as pre-training's; epoch is a metric
+                tracking.log_metrics({**epoch_metrics, "epoch": epoch}, step=step)
+        main = self.data.spec.main_metric
+        value = metrics.get(main, math.nan)
+        better = (lambda a, b: a > b) if self.data.spec.greater_is_better else (lambda a, b: a < b)
+        if not best.metrics or (
+            math.isfinite(value) and better(value, best.metrics.get(main, math.nan))
+        ):
+            best.metrics, best.epoch, best.step = metrics, epoch, step
+            if cfg.save_model:
+                self._save_best(engine)
+        dist.barrier()
+
+    def _save(
+        self,
+        engine: Any,
+        step: int,
+        loader: TrainBatches,
+        best: _Best,
+        loss_sum: torch.Tensor,
+        *,
+        good: bool,
+    ) -> None:
+        tag = f"global_step{step}"
+        if not weights_finite(engine):  # all ranks agree; never publish NaN weights
+            raise NonFiniteError(
+                f"step {step}: the weights are not finite, so {tag} was not saved; the latest "
+                f"checkpoint is {ckpt.latest_tag(self.folder) or 'none'}"
+            )
+        plan = self._schedule()
+        state = ckpt.CheckpointState(
+            phase="finetune",
+            phase_index=0,
+            phase_step=step,
+            global_step=step,
+            phase_complete=False,
+            data=loader.state_dict(),
+            world_size=self.info.world_size,
+            mlflow_run_id=self.run_id,
+            samples_seen=step * self.micro * plan.accumulation,
+            model=dataclasses.asdict(self.model_cfg),
+            zero_stage=self.cfg.zero.stage,
+            precision=self.cfg.precision,
+            data_sha256={"finetune": self.train_sha256},
+            config=redacted(to_dict(self.cfg)),
+            skipped_steps=self.guard.skipped,
+            loop=best.state(),
+        )
+        ckpt.save(
+            engine,
+            self.folder,
+            tag,
+            state,
+            self.info.rank,
+            good=good,
+            rank_extra={"loss_sum": float(loss_sum)},
+            faults=self.faults,
+        )
+        if self.info.is_main:
+            ckpt.prune(self.folder, self.cfg.checkpoint.keep_last)
+        dist.barrier()
 
     @torch.no_grad()
     def _evaluate(self, engine: Any, epoch: int) -> dict[str, float]:
@@ -599,12 +818,20 @@ def run_finetuning(
     nested_in: str | None = None,
     run_name: str | None = None,
     upload_model: bool = True,
+    faults: Faults | None = None,
 ) -> FinetuneResult:
-    """Join (or form) the distributed job and fine-tune; returns the best epoch's metrics."""
+    """Join (or form) the distributed job and fine-tune; returns the best epoch's metrics.
+
+    A SIGTERM saves a checkpoint and raises :class:`~bertpipe.training.cadence.PreemptedError`
+    (``bertpipe finetune`` exits 143). ``faults``: what tests break (default: what the
+    environment asks, nothing in real runs)."""
     # before the process group: a device that cannot run the precision is one line per rank
     check_hardware(local_hardware(), precision=cfg.precision)
     info = init_distributed()
     cfg.micro_batch(info.world_size)
-    return Finetuner(cfg, info).run(
-        nested_in=nested_in, run_name=run_name, upload_model=upload_model
-    )
+    finetuner = Finetuner(cfg, info, faults)
+    try:
+        return finetuner.run(nested_in=nested_in, run_name=run_name, upload_model=upload_model)
+    except PreemptedError as exc:
+        log.warning("%s; run the same command (output=%s) to continue", exc, finetuner.output)
+        raise

@@ -120,6 +120,9 @@ def run_sweep(cfg: FinetuneConfig) -> SweepResult:
             trial.epochs = point["epochs"]
             trial.micro_batch_size = None
             trial.output = fsio.join(folder, f"trial-{i:03d}")
+            # every trial checkpoints into its own folder (and deletes them when it is done)
+            if cfg.checkpoint.dir:
+                trial.checkpoint.dir = fsio.join(cfg.checkpoint.dir, f"trial-{i:03d}")
             trial.register = None  # the sweep registers its best trial's model only
             name = f"lr{point['learning_rate']:g}-bs{point['batch_size']}-ep{point['epochs']}"
             log.info("sweep trial %d/%d: %s", i + 1, len(grid), name)

@@ -1,12 +1,12 @@
 """``bertpipe bench train``: optimizer steps of the real pre-training path on one device.
 
-The same pieces as ``bertpipe pretrain``: the model of :mod:`bertpipe.training.model` (padded or
-unpadded, eager or compiled), the DeepSpeed engine of
-:func:`bertpipe.training.engine.build_engine`
-(ZeRO stage, precision, optimizer, clipping from the typed config), the WebDataset loader
-of :mod:`bertpipe.training.data` and :class:`bertpipe.training.step.BatchPrep`, for a preset
-at one phase's
-shape. The shards are ``--data`` (a phase folder with ``manifest.json``) or synthetic ones
+The same pieces as ``bertpipe pretrain``: the model of :mod:`bertpipe.training.model` (padded
+or unpadded, eager or compiled), the DeepSpeed engine of
+:func:`bertpipe.training.engine.build_engine` (ZeRO stage, precision, optimizer, clipping from
+the typed config), the trainer's loader (:func:`bertpipe.training.data.build_pretraining_data`)
+and its guarded step (:class:`bertpipe.training.step.OptimizerStep`,
+:class:`bertpipe.training.step.BatchPrep`), for a preset at one phase's shape. The shards are
+``--data`` (a phase folder with ``manifest.json``) or synthetic ones
 written to a temporary folder, whose lengths follow Google's instance recipe on documents of
 about 900 tokens (Wikipedia's mean): 10% short targets (uniform), and a target-length
 instance unless the document ends first (probability ``seq_len / 900``, then uniform in
@@ -211,20 +211,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _loader(cfg: Any, rank: int = 0, world: int = 1) -> Iterator[Any]:
-    from bertpipe.training.data import PretrainingData
+    """The trainer's own training loader (``build_pretraining_data``)."""
+    from bertpipe.training.data import build_pretraining_data
 
-    phase = cfg.phases[0]
-    data = PretrainingData(
-        phase.data,
-        "train",
-        micro_batch_size=phase.micro_batch_size,
-        rank=rank,
-        world_size=world,
-        seed=cfg.seed,
-        num_workers=cfg.data.num_workers,
-        shuffle_blocks=cfg.data.shuffle_blocks,
+    return iter(
+        build_pretraining_data(cfg.phases[0], cfg.data, rank=rank, world_size=world, seed=cfg.seed)
     )
-    return iter(data)
 
 
 def _figures(
@@ -261,29 +253,29 @@ def _run_ours(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str,
     import torch
 
     from bertpipe.training.engine import build_engine, init_distributed
-    from bertpipe.training.step import BatchPrep
+    from bertpipe.training.step import BatchPrep, OptimizerStep
     from bertpipe.training.trainer import Trainer
 
     info = init_distributed()
     trainer = Trainer(cfg, info)
-    model = trainer.new_model()
-    engine, _ = build_engine(model, cfg, cfg.phases[0], info.world_size)
+    engine, _ = build_engine(trainer.new_model(), trainer.engine_spec(0))
     prep = BatchPrep(trainer.model_cfg, info.device, unpad=cfg.model.unpad)
-    batches = _loader(cfg, info.rank, info.world_size)
+    batches = (prep(host) for host in _loader(cfg, info.rank, info.world_size))
     losses: list[torch.Tensor] = []
+    figures: list[dict[str, float]] = []
+
+    def keep(out: Any, stats: Any) -> None:
+        losses.append(out.loss.detach())
+        figures.append(_step_figures(stats))
+
+    optimizer_step = OptimizerStep(engine, 1, on_output=keep)  # the trainer's guarded step
+    count = 0
 
     def step(timer: _Timer) -> dict[str, float]:
-        host = next(batches)
-        timer.mark("data")
-        batch, stats = prep(host)
-        out = engine(**batch)
-        timer.mark("forward")
-        engine.backward(out.loss)
-        timer.mark("backward")
-        engine.step()
-        timer.mark("optimizer")
-        losses.append(out.loss.detach())
-        return _step_figures(stats)
+        nonlocal count
+        count += 1
+        optimizer_step(count, batches, mark=timer.mark)
+        return figures[-1]
 
     result = _timed(args, info.device, step, losses)
     return {**result, **_mfu_with(trainer.peak, result)}
@@ -348,8 +340,8 @@ def _run_hf(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, A
 
     from bertpipe.training.flops import peak_flops
     from bertpipe.training.hf import hf_config_dict
+    from bertpipe.training.phases import model_config, read_phase_data
     from bertpipe.training.step import BatchPrep
-    from bertpipe.training.trainer import model_config, read_phase_data
 
     device = torch.device(device_type)
     model_cfg = model_config(cfg, [read_phase_data(cfg.phases[0], "phases[0]")])

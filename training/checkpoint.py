@@ -33,17 +33,21 @@ import torch.distributed as dist
 
 from bertpipe import fsio
 from bertpipe.errors import BertpipeError
+from bertpipe.training.faults import FAULT_IN_SAVE, NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "FAULT_IN_SAVE",
     "CheckpointState",
     "DataChangedError",
+    "ResumeState",
     "capture_rng",
     "check_data",
     "latest_tag",
     "prune",
     "read_state",
+    "remove_all",
     "restore_rng",
     "save",
 ]
@@ -79,7 +83,29 @@ class CheckpointState:
     config: dict[str, Any] = field(default_factory=dict)
     skipped_steps: int = 0
     """Optimizer steps skipped for a non-finite loss or gradient, over all phases."""
+    loop: dict[str, Any] = field(default_factory=dict)
+    """What the loop that saved the checkpoint needs beyond the above, the same on every rank
+    (fine-tuning: the best epoch so far and the history of evaluations)."""
     version: int = STATE_VERSION
+
+
+@dataclass
+class ResumeState:
+    """A checkpoint to continue from, read once at start-up and passed to whoever needs it."""
+
+    tag: str
+    state: CheckpointState
+    rank_state: dict[str, Any] | None
+    """This rank's own part: RNG states, data position, per-rank loop values (None after a
+    universal conversion to another world size)."""
+
+    @classmethod
+    def read(cls, folder: str, tag: str, rank: int) -> ResumeState:
+        state, rank_state = read_state(folder, tag, rank)
+        return cls(tag, state, rank_state)
+
+    def same_world(self, world_size: int) -> bool:
+        return self.rank_state is not None and self.state.world_size == world_size
 
 
 class DataChangedError(BertpipeError):
@@ -168,12 +194,21 @@ def _rank_file(rank: int) -> str:
 
 
 def save(
-    engine: Any, folder: str, tag: str, state: CheckpointState, rank: int, *, good: bool = True
+    engine: Any,
+    folder: str,
+    tag: str,
+    state: CheckpointState,
+    rank: int,
+    *,
+    good: bool = True,
+    rank_extra: dict[str, Any] | None = None,
+    faults: Faults = NO_FAULTS,
 ) -> None:
     """Save ``engine`` and ``state`` under ``folder/tag``; move ``latest`` once all ranks are
     done. ``good=False`` marks a checkpoint saved while steps were being skipped for
     non-finite values (on preemption or at a phase end): :func:`prune` always keeps the
-    newest good one."""
+    newest good one. ``rank_extra``: this rank's own loop values, saved beside its RNG
+    states and data position."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -188,8 +223,10 @@ def save(
         }
     }
     engine.save_checkpoint(str(local), tag=tag, client_state=client_state, save_latest=False)
-    _fault_in_save(tag)
+    faults.in_checkpoint_save(tag)
     rank_state = {"rng": capture_rng(), "data": state.data, "samples_seen": state.samples_seen}
+    if rank_extra:
+        rank_state["loop"] = rank_extra
     (local / tag).mkdir(parents=True, exist_ok=True)
     fsio.atomic_write_text(str(local / tag / _rank_file(rank)), json.dumps(rank_state))
     if rank == 0:
@@ -200,27 +237,6 @@ def save(
         _update_index(local, tag, state, good)
     dist.barrier()
     log.info("checkpoint %s saved in %s", tag, local)
-
-
-FAULT_IN_SAVE = "BERTPIPE_FAULT_IN_SAVE"
-
-
-def _fault_in_save(tag: str) -> None:
-    """Fault injection for tests (unset in real runs): ``BERTPIPE_FAULT_IN_SAVE=kill:TAG``
-    kills this process (SIGKILL) and ``enospc:TAG`` raises "No space left on device" after
-    DeepSpeed wrote TAG's files and before bertpipe's state and ``latest``: a crash or a full
-    disk in the middle of a save."""
-    import errno
-    import os
-    import signal
-
-    kind, _, target = os.environ.get(FAULT_IN_SAVE, "").partition(":")
-    if target != tag:
-        return
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "enospc":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tag)
 
 
 def latest_tag(folder: str) -> str | None:
@@ -304,6 +320,25 @@ def phase_end_tag(folder: str, phase: str) -> str | None:
         if entry["phase"] == phase and entry["phase_end"]:
             return str(entry["tag"])
     return None
+
+
+def remove_all(folder: str) -> list[str]:
+    """Delete every checkpoint bertpipe wrote in ``folder`` (its ``global_step*`` folders,
+    ``latest`` and the index), and the folder if that leaves it empty (rank 0). For runs
+    whose product is elsewhere once they complete (fine-tuning keeps ``best/``)."""
+    local = _local_path(folder)
+    if not local.is_dir():
+        return []
+    removed = []
+    for path in sorted(local.iterdir()):
+        if path.is_dir() and path.name.startswith("global_step"):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    for name in ("latest", INDEX_FILE):
+        (local / name).unlink(missing_ok=True)
+    if not any(local.iterdir()):
+        local.rmdir()
+    return removed
 
 
 def _local_path(folder: str) -> Path:

@@ -284,6 +284,12 @@ class CheckpointConfig:
     """Resume even if a phase's data manifest differs from the one the checkpoint was trained
     on (its sha256 is stored in the checkpoint). By default such a resume is refused: the
     saved data position would point into other data."""
+    allow_changes: list[str] = field(default_factory=list)
+    """Settings a resume may change although they fix what the checkpoint is (the model's
+    shape, the batch, the seed, precision, ZeRO stage, the optimizer's kind), e.g.
+    ``[precision]`` or ``[model]`` for a whole section. Other changed settings (learning rate
+    and schedule, weight decay, clipping, cadences...) need nothing: they are applied from
+    the new config and logged as ``changed at resume``."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:

@@ -884,7 +884,13 @@ def build_pretraining_data(
 ) -> PretrainingData:
     """The endless training loader of ``phase`` for this rank; with ``evaluation``, its
     held-out loader instead: one pass of at most ``evaluation.max_batches``, read in the
-    training process (no workers forked at every evaluation; 50 batches take milliseconds)."""
+    training process (no workers forked at every evaluation; 50 batches take milliseconds).
+
+    The one place where the loaders of pre-training, its evaluation and ``bertpipe bench
+    train`` are configured. Evaluation reads its blocks unmixed (``shuffle_blocks`` 1): the
+    batches it takes are a fixed subset whatever the training's shuffle. Batches are not
+    pinned here: :class:`~bertpipe.training.step.BatchPrep` pins what it sends to a GPU
+    (after unpadding, which makes new tensors)."""
     train = evaluation is None
     return PretrainingData(
         phase.data,
@@ -894,11 +900,11 @@ def build_pretraining_data(
         world_size=world_size,
         seed=seed,
         num_workers=data.num_workers if train else 0,
-        shuffle_blocks=data.shuffle_blocks,
+        shuffle_blocks=data.shuffle_blocks if train else 1,
         masking=masking,
         train=train,
         max_batches=None if evaluation is None else evaluation.max_batches or None,
-        pin_memory=torch.cuda.is_available(),
+        pin_memory=False,
         read_retries=data.read_retries,
         read_retry_delay=data.read_retry_delay,
         verify_checksums=data.verify_checksums,

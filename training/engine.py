@@ -1,9 +1,10 @@
-"""DeepSpeed: distributed set-up, the generated ds_config, and the engine for a phase.
+"""DeepSpeed: distributed set-up, the generated ds_config, and the one engine builder.
 
-The DeepSpeed JSON is a function of the typed config and the world size (:func:`ds_config`),
-logged with every run; there are no hand-kept JSON files. The learning rate follows a
-``LambdaLR`` schedule that DeepSpeed steps once per optimizer step and saves in its
-checkpoints.
+Pre-training (one engine per phase) and fine-tuning (one per run) describe their engine as an
+:class:`EngineSpec` and build it with :func:`build_engine`, the only ``deepspeed.initialize``
+in bertpipe. The DeepSpeed JSON is a function of the spec (:func:`deepspeed_config`), logged
+with every run; there are no hand-kept JSON files. The learning rate follows a ``LambdaLR``
+schedule that DeepSpeed steps once per optimizer step and saves in its checkpoints.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import datetime
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +24,7 @@ from torch import nn
 
 from bertpipe.errors import BertpipeError
 from bertpipe.launch import detect_launch
-from bertpipe.training.config import PhaseSpec, PretrainConfig, ZeroConfig
+from bertpipe.training.config import OptimizerConfig, PhaseSpec, PretrainConfig, ZeroConfig
 from bertpipe.training.optim import Lamb, attach_zero_partitions, build_optimizer, lr_lambda
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,14 @@ class UnsafeCheckpointError(BertpipeError):
     """A checkpoint file holds pickled objects beyond tensors and plain data."""
 
 
-__all__ = ["DistInfo", "build_engine", "deepspeed_config", "ds_config", "init_distributed"]
+__all__ = [
+    "DistInfo",
+    "EngineSpec",
+    "build_engine",
+    "deepspeed_config",
+    "ds_config",
+    "init_distributed",
+]
 
 
 @dataclass(frozen=True)
@@ -93,18 +102,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
 
 def ds_config(cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> dict[str, Any]:
     """The DeepSpeed config of ``phase`` on ``world_size`` processes."""
-    phase.accumulation(world_size)  # a clear config error for an indivisible batch
-    return deepspeed_config(
-        micro_batch_size=phase.micro_batch_size,
-        global_batch_size=phase.global_batch_size,
-        world_size=world_size,
-        zero=cfg.zero,
-        precision=cfg.precision,
-        max_grad_norm=cfg.optimizer.max_grad_norm,
-        loss_scale_power=cfg.loss_scale_power,
-        universal=cfg.checkpoint.universal,
-        mixed_precision=cfg.mixed_precision,
-    )
+    return EngineSpec.for_phase(cfg, phase, world_size).ds_config()
 
 
 def deepspeed_config(
@@ -161,22 +159,109 @@ def deepspeed_config(
     return config
 
 
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine is built from: the batch, ZeRO and precision (the DeepSpeed
+    config), the optimizer and its learning-rate schedule. Pre-training makes one per phase
+    (:meth:`for_phase`), fine-tuning one per run."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    world_size: int
+    zero: ZeroConfig
+    precision: str
+    optimizer: OptimizerConfig
+    learning_rate: float
+    """Peak learning rate: the schedule's multipliers are relative to it."""
+    schedule: Callable[[int], float]
+    """Multiplier of the peak after N optimizer steps (``LambdaLR``)."""
+    mixed_precision: str = "weights"
+    loss_scale_power: int = 16
+    universal: bool = False
+
+    @classmethod
+    def for_phase(cls, cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> EngineSpec:
+        """The engine of a pre-training phase on ``world_size`` processes."""
+        phase.accumulation(world_size)  # a clear config error for an indivisible batch
+        return cls(
+            micro_batch_size=phase.micro_batch_size,
+            global_batch_size=phase.global_batch_size,
+            world_size=world_size,
+            zero=cfg.zero,
+            precision=cfg.precision,
+            optimizer=cfg.optimizer,
+            learning_rate=phase.learning_rate,
+            schedule=lr_lambda(phase, cfg),
+            mixed_precision=cfg.mixed_precision,
+            loss_scale_power=cfg.loss_scale_power,
+            universal=cfg.checkpoint.universal,
+        )
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def ds_config(self) -> dict[str, Any]:
+        return deepspeed_config(
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            world_size=self.world_size,
+            zero=self.zero,
+            precision=self.precision,
+            max_grad_norm=self.optimizer.max_grad_norm,
+            loss_scale_power=self.loss_scale_power,
+            universal=self.universal,
+            mixed_precision=self.mixed_precision,
+        )
+
+    def apply_to(self, engine: Any) -> None:
+        """Write this spec's optimizer hyperparameters and schedule into ``engine`` over the
+        ones a checkpoint restored (:func:`bertpipe.training.resume.apply_optimizer_settings`)."""
+        from bertpipe.training.resume import apply_optimizer_settings
+
+        opt = self.optimizer
+        apply_optimizer_settings(
+            engine,
+            peak_lr=self.learning_rate,
+            schedule=self.schedule,
+            weight_decay=opt.weight_decay,
+            betas=opt.betas,
+            eps=opt.eps,
+            extra={"max_trust_ratio": opt.max_trust_ratio, "trust_all": opt.trust_ratio == "all"},
+        )
+
+
 def build_engine(
-    model: nn.Module, cfg: PretrainConfig, phase: PhaseSpec, world_size: int
+    model: nn.Module,
+    spec: EngineSpec | PretrainConfig,
+    phase: PhaseSpec | None = None,
+    world_size: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Wrap ``model`` in a DeepSpeed engine for ``phase``; returns (engine, ds_config)."""
+    """Wrap ``model`` in a DeepSpeed engine; returns (engine, ds_config).
+
+    The one place where bertpipe calls ``deepspeed.initialize``: pre-training, fine-tuning,
+    ``bertpipe bench train`` and the tests build their engines here, so each gets the same
+    optimizer set-up, LAMB's whole-tensor trust ratios under ZeRO and weights-only checkpoint
+    loading (the non-finite guard is the step's: :class:`bertpipe.training.step.OptimizerStep`).
+    ``build_engine(model, cfg, phase, world_size)`` is short for
+    ``build_engine(model, EngineSpec.for_phase(cfg, phase, world_size))``.
+    """
     import deepspeed
 
-    config = ds_config(cfg, phase, world_size)
+    if not isinstance(spec, EngineSpec):
+        if phase is None or world_size is None:
+            raise TypeError("build_engine(model, cfg, phase, world_size) needs phase and world")
+        spec = EngineSpec.for_phase(spec, phase, world_size)
+    config = spec.ds_config()
     optimizer = build_optimizer(
-        model, cfg.optimizer, phase.learning_rate, offload=cfg.zero.offload_optimizer == "cpu"
+        model, spec.optimizer, spec.learning_rate, offload=spec.zero.offload_optimizer == "cpu"
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(phase, cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, spec.schedule)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )
     if isinstance(optimizer, Lamb):
-        _whole_tensor_trust_ratios(engine, optimizer, model, cfg.zero.stage)
+        _whole_tensor_trust_ratios(engine, optimizer, model, spec.zero.stage)
     weights_only_checkpoints(engine)
     return engine, config
 

@@ -1,7 +1,13 @@
-"""From a loader's host batch to a device batch, with the figures a step is measured by.
+"""One optimizer step through a DeepSpeed engine, and the batches it is made of.
 
-The trainer and ``bertpipe bench train`` share this: :class:`BatchPrep` turns a padded host
-batch (:mod:`bertpipe.training.collate`) into what the model takes, packed with
+Pre-training, fine-tuning and ``bertpipe bench train`` step through :class:`OptimizerStep`:
+``accumulation`` micro-batches forward and backward, then DeepSpeed's step (gradient
+clipping, loss scaling and precision, ZeRO), guarded against non-finite values
+(:mod:`bertpipe.training.guard`), with the fault-injection hooks of
+:mod:`bertpipe.training.faults` at fixed points.
+
+:class:`BatchPrep` turns a pre-training loader's padded host batch
+(:mod:`bertpipe.training.collate`) into what the model takes, packed with
 :func:`bertpipe.training.collate.unpad_batch` when unpadding is on, pinned and copied without
 blocking on a GPU, and counts on the host (no device read) what the step will compute:
 sequences, real and padded tokens, and model FLOPs on real tokens (the numerator of MFU)
@@ -11,7 +17,8 @@ and on the padded shape (what a padded encoder computes).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -19,10 +26,12 @@ import torch
 from torch import Tensor
 
 from bertpipe.training.collate import unpad_batch
+from bertpipe.training.faults import NO_FAULTS, Faults
 from bertpipe.training.flops import training_flops
+from bertpipe.training.guard import guard_updates, poisoned
 from bertpipe.training.model import BertModelConfig
 
-__all__ = ["BatchPrep", "BatchStats", "to_device"]
+__all__ = ["BatchPrep", "BatchStats", "OptimizerStep", "StepResult", "to_device"]
 
 
 @dataclasses.dataclass
@@ -81,3 +90,74 @@ class BatchPrep:
         if self.pin:
             host = {k: v.pin_memory() if isinstance(v, Tensor) else v for k, v in host.items()}
         return to_device(host, self.device), stats
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What an optimizer step did, counted on the host."""
+
+    skipped: int
+    """1 if DeepSpeed skipped the update (a non-finite loss or gradient on any rank), else 0."""
+    lr: float
+    """The learning rate the update used (of the first param group)."""
+    data_wait: float
+    """Seconds spent waiting for the micro-batches."""
+
+
+def _no_mark(part: str) -> None:
+    return None
+
+
+class OptimizerStep:
+    """``step(n, batches)``: optimizer step ``n`` (of the run, from 1) over ``accumulation``
+    micro-batches taken from ``batches`` (dicts of the model's keyword arguments, already on
+    the device).
+
+    Each micro-batch: forward, the fault hook on the loss, ``on_output(output, extra)`` (the
+    caller's metrics; ``extra`` is what ``batches`` yielded besides the batch, or None), then
+    the back-propagation of :func:`~bertpipe.training.guard.poisoned` and DeepSpeed's
+    ``step()`` (which applies the update at the accumulation boundary). Whether the update
+    was skipped is DeepSpeed's host-side count: its ZeRO optimizer, or the ZeRO 0 guard
+    installed here, already read the all-reduced gradient norm.
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        accumulation: int,
+        *,
+        faults: Faults = NO_FAULTS,
+        on_output: Callable[[Any, Any], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.accumulation = accumulation
+        self.faults = faults
+        self.on_output = on_output
+        guard_updates(engine)  # at ZeRO 0 DeepSpeed would apply a non-finite update
+
+    def __call__(
+        self, step: int, batches: Iterator[Any], mark: Callable[[str], None] = _no_mark
+    ) -> StepResult:
+        """``mark(part)`` is called after each part of a micro-batch (``data``, ``forward``,
+        ``backward``, ``optimizer``): ``bertpipe bench train`` times them."""
+        engine = self.engine
+        lr = float(engine.optimizer.param_groups[0]["lr"])  # this update's rate
+        skipped_before = engine.skipped_steps
+        self.faults.before_step(step)
+        waited = 0.0
+        for _ in range(self.accumulation):
+            started = time.perf_counter()
+            item = next(batches)
+            waited += time.perf_counter() - started
+            mark("data")
+            batch, extra = item if isinstance(item, tuple) else (item, None)
+            out = engine(**batch)
+            out.loss = self.faults.loss(step, out.loss)
+            if self.on_output is not None:
+                self.on_output(out, extra)
+            mark("forward")
+            engine.backward(poisoned(out.loss))
+            mark("backward")
+            engine.step()
+            mark("optimizer")
+        return StepResult(engine.skipped_steps - skipped_before, lr, waited)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bertpipe.finetuning.loop import load_task_model, run_finetuning
-from bertpipe.training.trainer import FAULT_NAN_STEPS, NonFiniteError
+from bertpipe.training.faults import FAULT_NAN_STEPS
+from bertpipe.training.guard import NonFiniteError
 from tests.finetuning.test_loop import _cfg
 
 pytestmark = pytest.mark.integration

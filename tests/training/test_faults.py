@@ -19,15 +19,11 @@ import pytest
 import torch
 
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.trainer import (
-    FAULT_NAN_STEPS,
-    FAULT_RAISE_STEP,
-    FAULT_RANK,
-    _poisoned,
-    _skip_nonfinite_updates,
-    _weights_finite,
-    run_pretraining,
-)
+from bertpipe.training.faults import FAULT_NAN_STEPS, FAULT_RAISE_STEP, FAULT_RANK
+from bertpipe.training.guard import guard_updates as _skip_nonfinite_updates
+from bertpipe.training.guard import poisoned as _poisoned
+from bertpipe.training.guard import weights_finite as _weights_finite
+from bertpipe.training.trainer import run_pretraining
 from tests.training.test_pretrain import _cfg, _env, _history, _overrides, _pretrain_cmd
 
 pytestmark = pytest.mark.integration
@@ -68,8 +64,8 @@ def test_nonfinite_step_leaves_weights_optimizer_and_lr_untouched(
     from bertpipe.training.data import PretrainingData
     from bertpipe.training.engine import build_engine, init_distributed
     from bertpipe.training.model import BertForPreTraining
+    from bertpipe.training.phases import model_config, read_phase_data
     from bertpipe.training.step import BatchPrep
-    from bertpipe.training.trainer import model_config, read_phase_data
 
     cfg = _cfg(pretrain_shards, tmp_path, f"sqlite:///{tmp_path / 'db'}", zero__stage=stage)
     phase = cfg.phases[0]

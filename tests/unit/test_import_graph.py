@@ -21,8 +21,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 # import name -> folder, as pyproject.toml installs them
 ROOTS = {
@@ -287,10 +285,4 @@ def test_stages_import_forwards_only() -> None:
 
 def test_no_private_names_across_components() -> None:
     found = _violations("private")
-    if found and all(line.startswith("finetuning/loop.py:") for line in found):
-        # finetuning/loop.py still takes _Faults, _poisoned and _skip_nonfinite_updates from
-        # training/trainer.py; the shared step/guard module (issue 14) removes that import
-        pytest.xfail(
-            "finetuning/loop.py imports training's private step helpers:\n" + "\n".join(found)
-        )
     assert not found, "private names used across components:\n" + "\n".join(found)
