@@ -407,21 +407,13 @@ class Finetuner:
         )
         self.guard = SkipGuard(cfg.max_bad_steps, log_rank=info.is_main)
         self.train_sha256 = _file_sha256(cfg.task.train)
+        self.plan = self._schedule()
         self.resume = self._resume_point()
         self.run_id: str | None = None
 
     def _resume_point(self) -> ckpt.ResumeState | None:
         """The checkpoint to continue from, read once (None: a fresh run)."""
-        resume = self.cfg.checkpoint.resume
-        if resume == "none":
-            if ckpt.has_checkpoints(self.folder):
-                raise ConfigError(
-                    "checkpoint.resume",
-                    f"is none but {self.folder} holds checkpoints: resume with auto, or use "
-                    "another output / checkpoint.dir",
-                )
-            return None
-        tag = ckpt.latest_tag(self.folder) if resume == "auto" else resume
+        tag = ckpt.resume_tag(self.folder, self.cfg.checkpoint.resume)
         return None if tag is None else ckpt.ResumeState.read(self.folder, tag, self.info.rank)
 
     def _continue_from(self, resume: ckpt.ResumeState) -> dict[str, tuple[Any, Any]]:
@@ -487,13 +479,12 @@ class Finetuner:
                 buffer=tracking.buffer_path(self.output),
             )
         with context as run:
-            if run is not None:
-                self.run_id = run.info.run_id
-                if changes:
-                    step = self.resume.state.global_step if self.resume else 0
-                    tracking.set_tags(mlflow_tags(changes, step))
+            run_id = run.info.run_id if run is not None else None
+            if run_id is not None and changes:
+                step = self.resume.state.global_step if self.resume else 0
+                tracking.set_tags(mlflow_tags(changes, step))
             with self.stop:
-                result = self._train()
+                result = self._train(run_id)
             if run is not None:
                 self._log_final(result, upload_model)
         if self.info.is_main:  # complete: best/ and the predictions are the run's result
@@ -531,9 +522,12 @@ class Finetuner:
             universal=cfg.checkpoint.universal,
         )
 
-    def _train(self) -> FinetuneResult:
+    def _train(self, run_id: str | None) -> FinetuneResult:
+        """Train to the end (from the resume point, if any), logging to MLflow run
+        ``run_id`` (None: not tracked)."""
+        self.run_id = run_id
         cfg, data, info = self.cfg, self.data, self.info
-        plan = self._schedule()
+        plan = self.plan
         spec = self.engine_spec(plan)
         engine, _ = build_engine(self._model(), spec)
         loader = TrainBatches(
@@ -686,7 +680,6 @@ class Finetuner:
                 f"step {step}: the weights are not finite, so {tag} was not saved; the latest "
                 f"checkpoint is {ckpt.latest_tag(self.folder) or 'none'}"
             )
-        plan = self._schedule()
         state = ckpt.CheckpointState(
             phase="finetune",
             phase_index=0,
@@ -696,7 +689,7 @@ class Finetuner:
             data=loader.state_dict(),
             world_size=self.info.world_size,
             mlflow_run_id=self.run_id,
-            samples_seen=step * self.micro * plan.accumulation,
+            samples_seen=step * self.micro * self.plan.accumulation,
             model=dataclasses.asdict(self.model_cfg),
             zero_stage=self.cfg.zero.stage,
             precision=self.cfg.precision,

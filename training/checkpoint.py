@@ -49,6 +49,7 @@ __all__ = [
     "read_state",
     "remove_all",
     "restore_rng",
+    "resume_tag",
     "save",
 ]
 
@@ -237,6 +238,25 @@ def save(
         _update_index(local, tag, state, good)
     dist.barrier()
     log.info("checkpoint %s saved in %s", tag, local)
+
+
+def resume_tag(folder: str, resume: str) -> str | None:
+    """The checkpoint ``checkpoint.resume`` names: ``auto`` the latest (None if there is
+    none), ``none`` None (refused if ``folder`` holds checkpoints, which a new run would
+    mix with its own), else the tag itself."""
+    from bertpipe.config import ConfigError
+
+    if resume == "auto":
+        return latest_tag(folder)
+    if resume == "none":
+        if has_checkpoints(folder):
+            raise ConfigError(
+                "checkpoint.resume",
+                f"is none but {folder} holds checkpoints: resume with auto, or use another "
+                "output / checkpoint.dir",
+            )
+        return None
+    return resume
 
 
 def latest_tag(folder: str) -> str | None:

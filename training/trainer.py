@@ -142,19 +142,7 @@ class Trainer:
 
     def start_point(self) -> tuple[int, ckpt.ResumeState | None]:
         """(first phase to run, the checkpoint to continue from), its state read once."""
-        resume = self.cfg.checkpoint.resume
-        if resume == "none":
-            if ckpt.has_checkpoints(self.folder):
-                raise ConfigError(
-                    "checkpoint.resume",
-                    f"is none but {self.folder} holds checkpoints: resume with auto, or use "
-                    "another output / checkpoint.dir",
-                )
-            tag = None
-        elif resume == "auto":
-            tag = ckpt.latest_tag(self.folder)
-        else:
-            tag = resume
+        tag = ckpt.resume_tag(self.folder, self.cfg.checkpoint.resume)
         names = [p.name for p in self.cfg.phases]
         if self.cfg.only_phase is not None:
             index = names.index(self.cfg.only_phase)
@@ -317,9 +305,7 @@ class Trainer:
         finally:
             # stop the loader's workers now (they ignore SIGTERM), not at interpreter exit
             batches.close()
-            close = getattr(host, "close", None)
-            if close is not None:
-                close()
+            host.close()
             if progress is not None:
                 progress.close()
         metrics = self._evaluate(engine, index)
