@@ -15,6 +15,12 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+# Under pytest-xdist (`make test`: one worker per core) every worker and its children compute
+# on one thread: two workers with torch's default of a thread per core would oversubscribe
+# the cores (a compute-bound test ran 5x slower). Set before numpy and torch are imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import pytest
 
@@ -23,6 +29,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# this Python's bin folder first, as `make` does, for this process and every child: DeepSpeed
+# builds its CPU op with the `ninja` on PATH, and two ninja versions (the environment's and a
+# system one) disagree on the build log, so each would rebuild the op (~25 s) after the other
+_BIN = str(Path(sys.executable).parent)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 
 _WORDS_TEXT = (
     "the of and to in a is that for it as was with be by on not he i this are or his from at "
