@@ -40,7 +40,7 @@ def write_python_docs_task(
     from bertpipe.preprocessing.sample_corpus import iter_python_docs
 
     rows: dict[str, list[tuple[str, str]]] = {"train": [], "dev": []}
-    for doc_id, text in iter_python_docs(min_chars=100):
+    for doc_id, text in iter_python_docs(min_chars=100, packages=LABELS):
         if not doc_id.startswith("stdlib/"):
             continue
         package = doc_id.split("/")[1].split(":")[0].removesuffix(".py")

@@ -9,11 +9,12 @@ needs no download, which makes it the default for ``make demo`` and the benchmar
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import logging
 import re
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from bertpipe import fsio
@@ -42,12 +43,17 @@ def _prose(text: str) -> str:
     return "\n\n".join(paragraphs)
 
 
-def iter_python_docs(min_chars: int = 200) -> Iterator[tuple[str, str]]:
-    """Yield ``(doc_id, text)`` for each prose document of the running Python's documentation."""
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # a stripped Python without pydoc_data
-        topics = {}
+def iter_python_docs(
+    min_chars: int = 200, packages: Collection[str] | None = None
+) -> Iterator[tuple[str, str]]:
+    """Yield ``(doc_id, text)`` for each prose document of the running Python's documentation.
+
+    ``packages``: only the docstrings of these standard-library packages (``asyncio``...), in
+    the same order as unfiltered, without the pydoc topics and without parsing the rest."""
+    topics: dict[str, str] = {}
+    if packages is None:
+        with contextlib.suppress(ImportError):  # a stripped Python has no pydoc_data
+            from pydoc_data.topics import topics
     for name in sorted(topics):
         text = _prose(topics[name])
         if len(text) >= min_chars:
@@ -56,6 +62,8 @@ def iter_python_docs(min_chars: int = 200) -> Iterator[tuple[str, str]]:
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if _SKIP_DIRS.intersection(rel.parts):
+            continue
+        if packages is not None and rel.parts[0].removesuffix(".py") not in packages:
             continue
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -24,9 +24,9 @@
 # Environment:
 #   OUT_DIR              output folder (default runs/gpu-check)
 #   PYTHON               the Python to use (default python3)
-#   GPU_CHECK_SMOKE=1    CPU smoke mode for tests: tiny preset, fp32, 2 timed steps, 4
-#                        pre-training steps; the wheels are installed only if deepspeed or
-#                        webdataset does not import already
+#   GPU_CHECK_SMOKE=1    CPU smoke mode for tests: tiny preset, fp32, micro batches of 8 and
+#                        4, 2 timed steps, 4 pre-training steps; the wheels are installed
+#                        only if deepspeed or webdataset does not import already
 #   GPU_CHECK_BUDGET_S   seconds for the whole check (default 465 on the GPU, 1800 smoke)
 #   GPU_CHECK_ONLY       an extended regex: run only the steps whose name matches it
 #   GPU_CHECK_DRY_RUN=1  set nothing up and run nothing: print each run's command line
@@ -75,6 +75,7 @@ if [[ $SMOKE == 1 ]]; then
     MODE="CPU smoke"
     DEVICE=cpu PRESET=tiny PRECISION=fp32
     EAGER=(--steps 2 --warmup 1) COMPILED=(--steps 2 --warmup 1)
+    MICRO1=8 MICRO2=4  # the plumbing is under test, not the shapes: small batches on a CPU
     PRETRAIN_STEPS=4 LOG_EVERY=2
     BUDGET_S=${GPU_CHECK_BUDGET_S:-1800}
     T_EAGER=300 T_COMPILED=600 T_PRETRAIN=300
@@ -83,6 +84,7 @@ else
     MODE="GPU"
     DEVICE=cuda PRESET=large PRECISION=bf16
     EAGER=(--steps 20 --warmup 5) COMPILED=(--steps 20 --warmup 10)
+    MICRO1=64 MICRO2=16
     PRETRAIN_STEPS=200 LOG_EVERY=20
     BUDGET_S=${GPU_CHECK_BUDGET_S:-465}
     T_BUILD=180 T_EAGER=90 T_COMPILED=240 T_PRETRAIN=150
@@ -236,8 +238,8 @@ fi  # dry run
 # ---------------------------------------------------------------- 4. the runs
 COMMON=(--preset "$PRESET" --precision "$PRECISION" --zero 1 --optimizer adamw
     --device "$DEVICE")
-P1=(--seq-len 128 --micro-batch 64)
-P2=(--seq-len 512 --micro-batch 16)
+P1=(--seq-len 128 --micro-batch "$MICRO1")
+P2=(--seq-len 512 --micro-batch "$MICRO2")
 bench() {  # bench NAME TIMEOUT ARGS...
     local name=$1 limit=$2
     shift 2
