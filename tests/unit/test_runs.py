@@ -419,7 +419,10 @@ def test_cli_json_and_csv(store: Store, tmp_path: Path, capsys: pytest.CaptureFi
 
 @pytest.mark.integration
 def test_plot_one_line_per_run(
-    store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store: Store,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     comparison = compare_runs(store.query(stage="finetune", sort="eval/accuracy"))
     out = tmp_path / "plots" / "cmp.png"
@@ -443,8 +446,11 @@ def test_plot_one_line_per_run(
     assert acc_lines[0].get_label() == "trial-1 (best)"
     assert np.asarray(acc_lines[0].get_ydata()).tolist() == pytest.approx([0.78, 0.88])
 
-    # default plot metric: the first shown metric; the demo's call
+    # default plot metric: the first shown metric; the demo's call (not on a terminal: no
+    # width limit, unless $COLUMNS says one, as pytest-xdist's workers have it)
     from bertpipe.app.compare import print_comparison
+
+    monkeypatch.delenv("COLUMNS", raising=False)
 
     stream = io.StringIO()
     demo_png = tmp_path / "demo.png"
