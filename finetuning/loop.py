@@ -66,7 +66,7 @@ from bertpipe.training.config import OptimizerConfig
 from bertpipe.training.engine import DistInfo, EngineSpec, build_engine, init_distributed
 from bertpipe.training.export import TOKENIZER_FILES
 from bertpipe.training.faults import Faults
-from bertpipe.training.guard import NonFiniteError, SkipGuard, weights_finite
+from bertpipe.training.guard import SkipGuard
 from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.model import BertModelConfig
 from bertpipe.training.optim import warmup_decay
@@ -674,12 +674,6 @@ class Finetuner:
         *,
         good: bool,
     ) -> None:
-        tag = f"global_step{step}"
-        if not weights_finite(engine):  # all ranks agree; never publish NaN weights
-            raise NonFiniteError(
-                f"step {step}: the weights are not finite, so {tag} was not saved; the latest "
-                f"checkpoint is {ckpt.latest_tag(self.folder) or 'none'}"
-            )
         state = ckpt.CheckpointState(
             phase="finetune",
             phase_index=0,
@@ -698,19 +692,17 @@ class Finetuner:
             skipped_steps=self.guard.skipped,
             loop=best.state(),
         )
-        ckpt.save(
+        ckpt.save_and_prune(
             engine,
             self.folder,
-            tag,
             state,
             self.info.rank,
+            keep_last=self.cfg.checkpoint.keep_last,
+            where=f"step {step}",
             good=good,
             rank_extra={"loss_sum": float(loss_sum)},
             faults=self.faults,
         )
-        if self.info.is_main:
-            ckpt.prune(self.folder, self.cfg.checkpoint.keep_last)
-        dist.barrier()
 
     @torch.no_grad()
     def _evaluate(self, engine: Any, epoch: int) -> dict[str, float]:

@@ -51,6 +51,7 @@ __all__ = [
     "restore_rng",
     "resume_tag",
     "save",
+    "save_and_prune",
 ]
 
 STATE_FILE = "bertpipe_state.json"
@@ -238,6 +239,37 @@ def save(
         _update_index(local, tag, state, good)
     dist.barrier()
     log.info("checkpoint %s saved in %s", tag, local)
+
+
+def save_and_prune(
+    engine: Any,
+    folder: str,
+    state: CheckpointState,
+    rank: int,
+    *,
+    keep_last: int,
+    where: str,
+    good: bool = True,
+    rank_extra: dict[str, Any] | None = None,
+    faults: Faults = NO_FAULTS,
+) -> str:
+    """A run's checkpoint of its ``global_step``, as both training loops save one: refused
+    if any weight is not finite (all ranks agree; ``where`` names the step in the error),
+    saved and published by :func:`save`, older ones pruned (rank 0); every rank returns the
+    tag once all are done."""
+    from bertpipe.training.guard import NonFiniteError, weights_finite
+
+    tag = f"global_step{state.global_step}"
+    if not weights_finite(engine):  # never publish NaN weights
+        raise NonFiniteError(
+            f"{where}: the weights are not finite, so {tag} was not saved; the latest "
+            f"checkpoint is {latest_tag(folder) or 'none'}"
+        )
+    save(engine, folder, tag, state, rank, good=good, rank_extra=rank_extra, faults=faults)
+    if rank == 0:
+        prune(folder, keep_last)
+    dist.barrier()
+    return tag
 
 
 def resume_tag(folder: str, resume: str) -> str | None:

@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bertpipe import fsio, tracking
 from bertpipe.config import ConfigError, redacted, to_dict, to_yaml
@@ -363,12 +362,6 @@ class Trainer:
         self, engine: Any, index: int, at: _Position, ended: bool, *, good: bool = True
     ) -> ckpt.ResumeState:
         phase = self.cfg.phases[index]
-        tag = f"global_step{self.global_step}"
-        if not weights_finite(engine):  # all ranks agree; never publish NaN weights
-            raise NonFiniteError(
-                f"{phase.name} step {at.phase_step}: the weights are not finite, so {tag} was "
-                f"not saved; the latest checkpoint is {ckpt.latest_tag(self.folder) or 'none'}"
-            )
         state = ckpt.CheckpointState(
             phase=phase.name,
             phase_index=index,
@@ -386,10 +379,16 @@ class Trainer:
             config=redacted(to_dict(self.cfg)),
             skipped_steps=self.guard.skipped,
         )
-        ckpt.save(engine, self.folder, tag, state, self.info.rank, good=good, faults=self.faults)
-        if self.info.is_main:
-            ckpt.prune(self.folder, self.cfg.checkpoint.keep_last)
-        dist.barrier()
+        tag = ckpt.save_and_prune(
+            engine,
+            self.folder,
+            state,
+            self.info.rank,
+            keep_last=self.cfg.checkpoint.keep_last,
+            where=f"{phase.name} step {at.phase_step}",
+            good=good,
+            faults=self.faults,
+        )
         return ckpt.ResumeState(tag, state, None)
 
     def _save_after_error(self, engine: Any, index: int, at: _Position, *, ran: bool) -> None:

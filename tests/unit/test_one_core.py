@@ -32,7 +32,13 @@ def test_one_deepspeed_initialize() -> None:
 def test_both_loops_step_and_save_through_the_core() -> None:
     for loop in ("training/trainer.py", "finetuning/loop.py"):
         source = (ROOT / loop).read_text()
-        for name in ("build_engine(", "OptimizerStep(", "SkipGuard(", "Cadence(", "ckpt.save("):
+        for name in (
+            "build_engine(",
+            "OptimizerStep(",
+            "SkipGuard(",
+            "Cadence(",
+            "save_and_prune(",
+        ):
             assert name in source, f"{loop} does not use {name[:-1]}"
         for own in ("engine.backward(", ".save_checkpoint(", "signal.signal("):
             assert own not in source, f"{loop} does {own[:-1]} itself"
