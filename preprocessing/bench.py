@@ -1,5 +1,8 @@
 """``bertpipe bench preprocess``: the Beam job against the tokenizer alone, on one core.
 
+(With ``--scale-mb N`` it is the corpus-scale run of :mod:`bertpipe.preprocessing.bench_scale`
+instead: memory and MB/s of the real CLI on N MB, with 1..K workers.)
+
 The corpus is the Python documentation (:mod:`bertpipe.preprocessing.sample_corpus`) in the
 sentence-per-line format, ``replicas`` copies (about 1.3 MB each). Each measurement runs
 in a fresh child process pinned to one CPU with ``RAYON_NUM_THREADS=1``, so the tokenizer's
@@ -38,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, default=30522)
     parser.add_argument("--no-scaling", action="store_true", help="skip the 4x memory run")
     parser.add_argument("--workdir", help="keep corpus and shards here (default: a temp dir)")
+    from bertpipe.preprocessing.bench_scale import add_scale_arguments
+
+    add_scale_arguments(parser)
 
 
 def _child(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> dict[str, Any]:
@@ -128,6 +134,10 @@ def _child_main(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> 
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if args.scale_mb is not None:
+        from bertpipe.preprocessing.bench_scale import run_scale
+
+        return run_scale(args)
     from bertpipe.config import load_config
     from bertpipe.preprocessing.config import TokenizerConfig
     from bertpipe.preprocessing.run import train_tokenizer

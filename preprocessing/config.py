@@ -41,6 +41,10 @@ class TokenizerConfig:
     """Share of documents to train on, chosen by a stable hash of the document id."""
     max_documents: int | None = None
     """Stop after this many sampled documents (files are read in sorted order)."""
+    max_mb: float | None = None
+    """Stop after this many megabytes of sampled text. A vocabulary learnt from a few
+    hundred MB of a corpus is as good as one from all of it, at a fraction of the time:
+    ``sample_fraction=0.02 max_mb=300`` spreads the sample over a 20 GB corpus."""
     overwrite: bool = False
     """Replace a tokenizer already in ``output``."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -55,6 +59,8 @@ class TokenizerConfig:
             raise ConfigError("vocab_size", "is too small to hold the special tokens and text")
         if not 0.0 < self.sample_fraction <= 1.0:
             raise ConfigError("sample_fraction", "must be in (0, 1]")
+        if self.max_mb is not None and self.max_mb <= 0:
+            raise ConfigError("max_mb", "must be positive (or null for no limit)")
 
 
 @dataclass
@@ -146,6 +152,11 @@ class PreprocessConfig:
     bucket_mb: float = 32.0
     """Input megabytes per bucket: random-next segments come from the same bucket; buckets are
     the unit of parallelism of instance creation."""
+    split_mb: float = 64.0
+    """Uncompressed ``sentences``/``jsonl`` files larger than this are read in byte ranges of
+    about this size by several workers at once (parquet files in runs of row groups). The
+    documents of a file read in ranges are named by byte offset instead of ordinal, which
+    changes which of them are held out, not the statistics: part of the data's config."""
     target_shard_mb: float = 128.0
     """Estimated output megabytes per training shard when ``num_shards`` is null."""
     min_shards: int = 8
@@ -176,7 +187,7 @@ class PreprocessConfig:
             raise ConfigError("heldout_fraction", "must be in [0, 1)")
         if self.min_sentences < 1:
             raise ConfigError("min_sentences", "must be at least 1")
-        for key in ("bucket_mb", "target_shard_mb"):
+        for key in ("bucket_mb", "split_mb", "target_shard_mb"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, "must be positive")
         if self.instances_per_sample < 1:

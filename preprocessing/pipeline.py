@@ -2,9 +2,15 @@
 
 Stages (each a labelled step; every DoFn counts what it reads and drops)::
 
-    ListFiles -> ReadDocuments (batches per file) -> Tokenize        keyed (split, bucket)
-      -> GroupByBucket -> CreateInstances (all phases, all dupes)     part files + references
+    ListRanges -> ReadTokenize (a range: read, tokenize)  spill files + refs by (split, bucket)
+      -> GroupByBucket (references) -> CreateInstances (all phases, all dupes)
+                                                           part files + refs by shard
       -> GroupByShard (references) -> WriteShards -> (with the statistics) WriteManifests
+
+Only references go through the runner's groupings; documents and instances travel through
+storage (the output's ``_spill`` and ``<phase>/_parts`` folders), so memory is bounded by
+what one task holds (a range's spill buffer, a bucket, a shard) on every runner, whatever
+the corpus size. The direct runner holds a grouping's whole input in memory.
 
 Determinism: every random choice draws from a generator seeded by a stable hash of the run
 seed and what it decides (bucket, phase, split, dupe, shard), documents are sorted by id
@@ -39,7 +45,8 @@ from bertpipe.config import to_dict
 from bertpipe.preprocessing.config import PhaseConfig, PreprocessConfig
 from bertpipe.preprocessing.instances import DocumentSet, TokenizedDoc, assemble, create_pairs
 from bertpipe.preprocessing.masking import MaskingSpec, mask_block
-from bertpipe.preprocessing.readers import InputConfig, read_documents
+from bertpipe.preprocessing.ranges import ReadRange
+from bertpipe.preprocessing.readers import Document, read_documents
 from bertpipe.preprocessing.shard_format import (
     FORMAT_NAME,
     NUM_MASKED,
@@ -50,14 +57,25 @@ from bertpipe.preprocessing.shard_format import (
     token_dtype,
     write_tar,
 )
-from bertpipe.progress import ProgressLine
 from bertpipe.seeding import rng_for, stable_hash, stable_unit
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PartRef", "Plan", "build_pipeline", "manifest_url", "parts_folder", "shard_name"]
+__all__ = [
+    "PartRef",
+    "Plan",
+    "SpillRef",
+    "build_pipeline",
+    "manifest_url",
+    "parts_folder",
+    "progress_folder",
+    "shard_name",
+    "spill_folder",
+]
 
 NAMESPACE = "bertpipe.preprocess"
+SPILL_BYTES = 64 << 20
+"""Tokenized documents a read task buffers before writing them to its spill file."""
 CHUNK_INSTANCES = 8192
 """Instances assembled and masked at a time (bounds the scratch memory of a bucket)."""
 SPLITS = ("train", "heldout")
@@ -108,6 +126,24 @@ class PartRef(NamedTuple):
             return f.read(self.length)
 
 
+def spill_folder(output: str) -> str:
+    """Scratch folder of the tokenized documents, one file per read range (removed when the
+    run completes)."""
+    return fsio.join(output, "_spill")
+
+
+def progress_folder(output: str) -> str:
+    """Scratch folder of the markers a driver counts for progress: one empty file per read
+    range, training bucket and shard done (removed when the run completes)."""
+    return fsio.join(output, "_progress")
+
+
+def _mark_done(output: str, name: str) -> None:
+    fs, path = fsio.to_fs(fsio.join(progress_folder(output), name))
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    fs.pipe_file(path, b"")
+
+
 def parts_folder(output: str, phase: str) -> str:
     """Scratch folder of a phase's part files (removed when the run completes)."""
     return fsio.join(output, phase, "_parts")
@@ -124,46 +160,15 @@ def manifest_url(output: str, phase: str) -> str:
 # --------------------------------------------------------------------------- DoFns
 
 
-class ReadDocumentsFn(beam.DoFn):
-    """A file URL -> ``("docs", [(doc_id, sentences), ...])`` batches, then
-    ``("counts", {...})``."""
+class ReadTokenizeFn(beam.DoFn):
+    """A :class:`ReadRange` -> its documents, tokenized, spilled to the range's spill file
+    grouped by ``(split, bucket)``; emits ``("spill", ((split, bucket), SpillRef))`` per
+    group and flush, then ``("counts", {...})``.
 
-    def __init__(self, cfg: InputConfig, root: str, num_files: int, batch: int) -> None:
-        self._cfg = cfg
-        self._root = root
-        self._num_files = num_files
-        self._batch = batch
-
-    def setup(self) -> None:
-        self._progress = ProgressLine("preprocess: files read", self._num_files, unit="file")
-        self._done = 0
-        self._docs = 0
-
-    def process(self, url: str) -> Iterator[Any]:
-        counts: Counter[str] = Counter()
-        n = 0
-        batch: list[tuple[str, list[str]]] = []
-        for doc in read_documents(url, self._cfg, counts, root=self._root):
-            n += 1
-            batch.append((doc.doc_id, doc.sentences))
-            if len(batch) == self._batch:
-                yield "docs", batch
-                batch = []
-        if batch:
-            yield "docs", batch
-        counts["documents_read"] += n
-        _count(counts)
-        self._done += 1
-        self._docs += n
-        self._progress.update(self._done, f"{self._docs:,} documents")
-        if self._done >= self._num_files:
-            self._progress.close()
-        yield "counts", dict(counts)
-
-
-class TokenizeFn(beam.DoFn):
-    """A batch of documents -> ``("docs", ((split, bucket), packed TokenizedDoc))`` per kept
-    document, then ``("counts", {...})``."""
+    The tokenized corpus goes to storage, not through the runner: only the references are
+    grouped by bucket, so no runner ever holds the corpus. A worker holds at most
+    :data:`SPILL_BYTES` of tokenized documents before writing them out.
+    """
 
     def __init__(self, plan: Plan) -> None:
         self._plan = plan
@@ -185,31 +190,121 @@ class TokenizeFn(beam.DoFn):
         self._encoder = CorpusEncoder(tokenizer)
         self._dtype = plan.dtype
 
-    def process(self, batch: list[tuple[str, list[str]]]) -> Iterator[Any]:
+    def process(self, task: ReadRange) -> Iterator[Any]:
         cfg = self._plan.cfg
         counts: Counter[str] = Counter()
-        ids = self._encoder.encode([s for _, sentences in batch for s in sentences])
+        spill = _Spill(fsio.join(spill_folder(cfg.output), f"{task.index:06d}.bin"))
+        docs = read_documents(
+            task.url,
+            cfg.input,
+            counts,
+            root=self._plan.root,
+            start=task.start,
+            end=task.end,
+            offset_ids=task.split,
+        )
+        batch: list[Document] = []
+        try:
+            for doc in docs:
+                counts["documents_read"] += 1
+                batch.append(doc)
+                if len(batch) == cfg.tokenize_batch_documents:
+                    self._tokenize(batch, spill, counts)
+                    batch = []
+                    if spill.buffered >= SPILL_BYTES:
+                        yield from (("spill", ref) for ref in spill.flush())
+            self._tokenize(batch, spill, counts)
+            yield from (("spill", ref) for ref in spill.flush())
+        finally:
+            spill.close()
+        _count(counts)
+        Metrics.counter(NAMESPACE, "text_bytes_read").inc(task.text_bytes)
+        _mark_done(cfg.output, f"read-{task.index:06d}")
+        yield "counts", dict(counts)
+
+    def _tokenize(self, batch: list[Document], spill: _Spill, counts: Counter[str]) -> None:
+        if not batch:
+            return
+        cfg = self._plan.cfg
+        ids = self._encoder.encode([s for doc in batch for s in doc.sentences])
         pos = 0
-        for doc_id, sentences in batch:
-            doc_ids = [x for x in ids[pos : pos + len(sentences)] if x]
-            pos += len(sentences)
-            counts["sentences_empty_after_tokenization"] += len(sentences) - len(doc_ids)
+        for doc in batch:
+            doc_ids = [x for x in ids[pos : pos + len(doc.sentences)] if x]
+            pos += len(doc.sentences)
+            counts["sentences_empty_after_tokenization"] += len(doc.sentences) - len(doc_ids)
             if len(doc_ids) < cfg.min_sentences:
                 counts["documents_too_short"] += 1
                 continue
             lengths = np.fromiter(map(len, doc_ids), dtype=np.int32, count=len(doc_ids))
             total = int(lengths.sum())
             tokens = np.fromiter(itertools.chain.from_iterable(doc_ids), self._dtype, total)
-            split = "heldout" if stable_unit("heldout", doc_id) < cfg.heldout_fraction else "train"
-            bucket = stable_hash(cfg.seed, "bucket", doc_id) % self._plan.num_buckets
+            split = (
+                "heldout" if stable_unit("heldout", doc.doc_id) < cfg.heldout_fraction else "train"
+            )
+            bucket = stable_hash(cfg.seed, "bucket", doc.doc_id) % self._plan.num_buckets
             counts["documents_kept"] += 1
             counts[f"{split}_documents"] += 1
             counts["sentences"] += len(doc_ids)
             counts["tokens"] += total
-            doc = TokenizedDoc(doc_id, tokens, np.cumsum(lengths, dtype=np.int32))
-            yield "docs", ((split, bucket), doc.pack())
-        _count(counts)
-        yield "counts", dict(counts)
+            tokenized = TokenizedDoc(doc.doc_id, tokens, np.cumsum(lengths, dtype=np.int32))
+            spill.add((split, bucket), tokenized.pack())
+
+
+class SpillRef(NamedTuple):
+    """Where some of a bucket's tokenized documents lie in a spill file."""
+
+    url: str
+    offset: int
+    length: int
+
+    def documents(self) -> Iterator[TokenizedDoc]:
+        fs, path = fsio.to_fs(self.url)
+        with fs.open(path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(self.length)
+        pos = 0
+        while pos < len(data):
+            size = int.from_bytes(data[pos : pos + 4], "little")
+            yield TokenizedDoc.unpack(data[pos + 4 : pos + 4 + size])
+            pos += 4 + size
+
+
+class _Spill:
+    """Packed documents buffered per key, written out in key order to one file."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.buffered = 0
+        self._buffers: dict[tuple[str, int], list[bytes]] = {}
+        self._out: Any = None
+        self._written = 0
+
+    def add(self, key: tuple[str, int], packed: bytes) -> None:
+        self._buffers.setdefault(key, []).append(len(packed).to_bytes(4, "little") + packed)
+        self.buffered += len(packed) + 4
+
+    def flush(self) -> list[tuple[tuple[str, int], SpillRef]]:
+        if not self._buffers:
+            return []
+        if self._out is None:
+            fs, path = fsio.to_fs(self.url)
+            fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            self._out = fs.open(path, "wb")
+        refs = []
+        for key in sorted(self._buffers):
+            data = b"".join(self._buffers[key])
+            self._out.write(data)
+            refs.append((key, SpillRef(self.url, self._written, len(data))))
+            self._written += len(data)
+        self._buffers.clear()
+        self.buffered = 0
+        self._out.flush()
+        return refs
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
 
 
 class CreateInstancesFn(beam.DoFn):
@@ -245,11 +340,15 @@ class CreateInstancesFn(beam.DoFn):
             for p in plan.cfg.phases
         }
 
-    def process(self, element: tuple[tuple[str, int], Iterable[bytes]]) -> Iterator[Any]:
-        (split, bucket), packed = element
+    def process(self, element: tuple[tuple[str, int], Iterable[SpillRef]]) -> Iterator[Any]:
+        (split, bucket), refs = element
         plan, cfg = self._plan, self._plan.cfg
-        docs = sorted((TokenizedDoc.unpack(b) for b in packed), key=lambda d: d.doc_id)
+        # document-id order, whatever ranges and flushes the documents came in
+        docs = sorted(
+            (doc for ref in sorted(refs) for doc in ref.documents()), key=lambda d: d.doc_id
+        )
         docset = DocumentSet.from_docs(docs)
+        del docs
         for phase in cfg.phases:
             counts: Counter[str] = Counter()
             num_shards = plan.shards[phase.name][split]
@@ -283,6 +382,8 @@ class CreateInstancesFn(beam.DoFn):
             Metrics.counter(NAMESPACE, f"{phase.name}_{split}_instances").inc(counts["instances"])
             stats = {f"{split}.{k}": v for k, v in counts.items()}
             yield "stats", (phase.name, ("stats", stats))
+        if split == "train":
+            _mark_done(cfg.output, f"bucket-{bucket:06d}")
 
     def _instances(
         self,
@@ -346,6 +447,7 @@ class WriteShardFn(beam.DoFn):
         with fsio.atomic_writer(fsio.join(cfg.output, phase, name)) as out:
             tar = TarStats(out)
             write_tar(tar, samples)
+        _mark_done(cfg.output, f"shard-{phase}-{name}")
         Metrics.counter(NAMESPACE, "shards_written").inc()
         Metrics.counter(NAMESPACE, "shard_bytes").inc(tar.size)
         record = {
@@ -504,27 +606,19 @@ def _derived(part: dict[str, int]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the pipeline
 
 
-def build_pipeline(p: beam.Pipeline, plan: Plan, files: list[str]) -> beam.PCollection:
+def build_pipeline(p: beam.Pipeline, plan: Plan, ranges: list[ReadRange]) -> beam.PCollection:
     """Add the preprocessing steps to ``p``; returns the PCollection of (phase, manifest text)."""
     cfg = plan.cfg
     phase_names = [ph.name for ph in cfg.phases]
     read = (
         p
-        | "ListFiles" >> beam.Create(files)
-        | "SpreadFiles" >> beam.Reshuffle()
-        | "ReadDocuments"
-        >> beam.ParDo(
-            ReadDocumentsFn(cfg.input, plan.root, len(files), cfg.tokenize_batch_documents)
-        )
-        | "SplitRead" >> Demux("docs", "counts")
-    )
-    tokenized = (
-        read["docs"]
-        | "Tokenize" >> beam.ParDo(TokenizeFn(plan))
-        | "SplitTokenized" >> Demux("docs", "counts")
+        | "ListRanges" >> beam.Create(ranges)
+        | "SpreadRanges" >> beam.Reshuffle()
+        | "ReadTokenize" >> beam.ParDo(ReadTokenizeFn(plan))
+        | "SplitRead" >> Demux("spill", "counts")
     )
     instances = (
-        tokenized["docs"]
+        read["spill"]
         | "GroupByBucket" >> beam.GroupByKey()
         | "CreateInstances" >> beam.ParDo(CreateInstancesFn(plan))
         | "SplitInstances" >> Demux("parts", "stats")
@@ -536,10 +630,8 @@ def build_pipeline(p: beam.Pipeline, plan: Plan, files: list[str]) -> beam.PColl
     )
     # statistics and shard records meet the shards' phase in one grouping: the manifest of a
     # phase is written after all of its shards
-    corpus_counts = (
-        (read["counts"], tokenized["counts"])
-        | "CorpusCounts" >> beam.Flatten()
-        | "PerPhase" >> beam.FlatMap(lambda c: [(name, ("stats", c)) for name in phase_names])
+    corpus_counts = read["counts"] | "PerPhase" >> beam.FlatMap(
+        lambda c: [(name, ("stats", c)) for name in phase_names]
     )
     return (
         (shards, instances["stats"], corpus_counts)

@@ -7,6 +7,13 @@ Layouts (``input.format``):
 - ``jsonl``: one JSON object per line; the text is in ``input.text_field`` and the id, if
   any, in ``input.id_field``. Text is split into sentences.
 - ``text``: one document per file, split into sentences (blank lines are boundaries).
+- ``parquet``: one document per row (``input.text_field``, ``input.id_field``), read one
+  row group at a time with pyarrow.
+
+Uncompressed ``sentences`` and ``jsonl`` files can be read in byte ranges (``start``,
+``end``): a range yields the documents whose first line starts in it, so a 20 GB file is
+read by many workers at once (its documents are then named by their byte offset, the same
+whatever the cut); parquet files split by row groups.
 
 ``.gz``, ``.bz2`` and ``.zst`` are decompressed by extension. Bad input never crashes a run:
 empty, binary and non-UTF-8 files and unknown extensions are skipped, counted and logged with
@@ -38,6 +45,7 @@ EXTENSIONS = {
     "sentences": (".txt", ".text"),
     "text": (".txt", ".text", ".md", ".rst"),
     "jsonl": (".jsonl", ".json", ".ndjson"),
+    "parquet": (".parquet", ".pq"),
 }
 _SNIFF_BYTES = 1 << 16
 
@@ -48,13 +56,15 @@ class InputConfig:
 
     paths: list[str] = field(default_factory=list)
     """Files, folders or globs; any fsspec URL (``s3://bucket/wiki/*.txt.gz``)."""
-    format: Literal["sentences", "jsonl", "text"] = "sentences"
+    format: Literal["sentences", "jsonl", "text", "parquet"] = "sentences"
     """``sentences``: a sentence per line, blank line between documents; ``jsonl``: a JSON
-    record per line; ``text``: a document per file."""
+    record per line; ``text``: a document per file; ``parquet``: a record per row (the
+    files of hub datasets), read a row group at a time."""
     text_field: str = "text"
-    """JSONL: the field holding the document text."""
+    """JSONL and parquet: the field (column) holding the document text."""
     id_field: str | None = None
-    """JSONL: the field holding a document id (else file name and record number)."""
+    """JSONL and parquet: the field holding a document id (else file name and byte offset
+    or row number)."""
     split_sentences: bool | None = None
     """Run the sentence splitter; null means no for ``sentences`` (lines are sentences),
     yes for the others. An overlong line is always split."""
@@ -104,38 +114,70 @@ def _split_extension(url: str) -> tuple[str, str | None]:
 
 
 def read_documents(
-    url: str, cfg: InputConfig, counts: Counter[str], *, root: str = ""
+    url: str,
+    cfg: InputConfig,
+    counts: Counter[str],
+    *,
+    root: str = "",
+    start: int = 0,
+    end: int | None = None,
+    offset_ids: bool = False,
 ) -> Iterator[Document]:
-    """Yield the documents of one file, updating ``counts`` with what was read and skipped."""
+    """Yield the documents of one file (or of its byte range ``[start, end)``), updating
+    ``counts`` with what was read and skipped.
+
+    A range yields the documents whose first line starts inside it, read to their end even
+    past ``end``, so the ranges of a file together yield each document exactly once.
+    Document ids name the file and the document's ordinal (``sentences``), line number
+    (``jsonl``) or row (``parquet``); a range that does not start at 0 cannot know those,
+    so a file read in ranges is read with ``offset_ids``: ids name the byte offset where
+    the document starts (``name@offset``), the same whatever the cut. File-level counts
+    (files read or skipped) come from the range that starts at 0. For ``parquet``,
+    ``start``/``end`` are row-group numbers.
+    """
+    if (start or end is not None) and not offset_ids and cfg.format != "parquet":
+        raise ValueError("a byte range of a file is read with offset_ids=True")
     ext, compression = _split_extension(url)
     name = relative_name(url, root)
+    first = start == 0
     if ext not in EXTENSIONS[cfg.format]:
-        counts["files_skipped_unknown_extension"] += 1
-        log.warning(
-            "skipping %s: extension %r is not one of %s for input.format=%s",
-            url,
-            ext or "(none)",
-            ", ".join(EXTENSIONS[cfg.format]),
-            cfg.format,
-        )
+        if first:
+            counts["files_skipped_unknown_extension"] += 1
+            log.warning(
+                "skipping %s: extension %r is not one of %s for input.format=%s",
+                url,
+                ext or "(none)",
+                ", ".join(EXTENSIONS[cfg.format]),
+                cfg.format,
+            )
         return
+    if cfg.format == "parquet":
+        yield from _parquet_docs(url, name, cfg, counts, start, end)
+        return
+    if start and (compression or cfg.format == "text"):
+        raise ValueError(f"{url} cannot be read from byte {start}: it is not splittable")
     try:
         with fsio.open_url(url, "rb", compression=compression) as f:
             problem = _sniff(f.read(_SNIFF_BYTES))
         if problem:
-            counts[f"files_skipped_{problem}"] += 1
-            log.warning("skipping %s: %s", url, problem.replace("_", " "))
+            if first:
+                counts[f"files_skipped_{problem}"] += 1
+                log.warning("skipping %s: %s", url, problem.replace("_", " "))
             return
-        counts["files_read"] += 1
+        if first:
+            counts["files_read"] += 1
         with fsio.open_url(url, "rb", compression=compression) as f:
             # zstandard's reader has no readline; a buffer over it gives fast line iteration
-            lines = _lines(io.BufferedReader(f, 1 << 20) if compression == "zstd" else f)
+            stream = io.BufferedReader(f, 1 << 20) if compression == "zstd" else f
+            if cfg.format == "text":
+                yield from _text_doc(_lines(stream, 0), name, cfg, counts)
+                return
+            begin, prev_blank = _seek_line(stream, start)
+            lines = _lines(stream, begin)
             if cfg.format == "sentences":
-                yield from _sentence_docs(lines, name, cfg, counts)
-            elif cfg.format == "jsonl":
-                yield from _jsonl_docs(lines, name, url, cfg, counts)
+                yield from _sentence_docs(lines, name, cfg, counts, end, prev_blank, offset_ids)
             else:
-                yield from _text_doc(lines, name, cfg, counts)
+                yield from _jsonl_docs(lines, name, url, cfg, counts, end, offset_ids)
     except (OSError, EOFError, ValueError) as exc:  # truncated archive, bad compression
         counts["files_failed"] += 1
         log.warning("stopped reading %s: %s: %s", url, type(exc).__name__, exc)
@@ -154,10 +196,44 @@ def _sniff(head: bytes) -> str | None:
     return None
 
 
-def _lines(stream: IO[bytes]) -> Iterator[tuple[int, str]]:
-    """(line number, text) pairs, decoded as UTF-8 with undecodable bytes replaced."""
-    for number, raw in enumerate(stream, start=1):
-        yield number, raw.decode("utf-8", errors="replace").rstrip("\r\n")
+def _lines(stream: IO[bytes], offset: int) -> Iterator[tuple[int, str]]:
+    """(byte offset of the line, text) pairs, decoded as UTF-8 with undecodable bytes replaced."""
+    for raw in stream:
+        yield offset, raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        offset += len(raw)
+
+
+# what str.strip() removes, among ASCII bytes
+_ASCII_SPACE = frozenset(b" \t\r\x0b\x0c\x1c\x1d\x1e\x1f")
+_BACK_CHUNK = 1 << 12
+
+
+def _seek_line(stream: IO[bytes], start: int) -> tuple[int, bool]:
+    """Move ``stream`` to the first line that starts at or after ``start``; returns that
+    offset and whether the line before it is blank (a document starts after a blank line)."""
+    if start == 0:
+        return 0, True
+    stream.seek(start - 1)
+    begin = start - 1 + len(stream.readline())  # the rest of the line holding byte start-1
+    # the line before `begin` ends with the newline at begin-1: is it blank?
+    end = begin - 1
+    tail = b""
+    pos = end
+    while pos > 0:
+        back = max(0, pos - _BACK_CHUNK)
+        stream.seek(back)
+        chunk = stream.read(pos - back)
+        cut = chunk.rfind(b"\n")
+        tail = chunk[cut + 1 :] + tail
+        if cut >= 0 or any(b not in _ASCII_SPACE and b < 0x80 for b in chunk[cut + 1 :]):
+            break
+        pos = back
+    stream.seek(begin)
+    if any(b not in _ASCII_SPACE and b < 0x80 for b in tail):
+        return begin, False
+    if all(b in _ASCII_SPACE for b in tail):
+        return begin, True
+    return begin, not tail.decode("utf-8", errors="replace").strip()  # non-ASCII spaces
 
 
 def _clean(sentences: list[str], cfg: InputConfig, counts: Counter[str]) -> list[str]:
@@ -177,24 +253,47 @@ def _split(text: str, cfg: InputConfig, counts: Counter[str]) -> list[str]:
 
 
 def _sentence_docs(
-    lines: Iterator[tuple[int, str]], name: str, cfg: InputConfig, counts: Counter[str]
+    lines: Iterator[tuple[int, str]],
+    name: str,
+    cfg: InputConfig,
+    counts: Counter[str],
+    end: int | None = None,
+    prev_blank: bool = True,
+    offset_ids: bool = False,
 ) -> Iterator[Document]:
+    """Documents (runs of non-blank lines) whose first line starts before ``end``; lines
+    before the first document start belong to the previous range's last document."""
     sentences: list[str] = []
+    doc_start = -1
     ordinal = 0
-    for _, line in lines:
+
+    def doc_id() -> str:
+        return f"{name}@{doc_start}" if offset_ids else f"{name}:{ordinal}"
+
+    for offset, line in lines:
         line = line.strip()
         if not line:
-            if sentences:
-                yield Document(f"{name}:{ordinal}", sentences)
+            if doc_start >= 0 and sentences:
+                yield Document(doc_id(), sentences)
                 ordinal += 1
+            if doc_start >= 0:
                 sentences = []
+                doc_start = -1
+            prev_blank = True
             continue
+        if doc_start < 0:
+            if not prev_blank:
+                continue  # the tail of a document that started before this range
+            if end is not None and offset >= end:
+                return
+            doc_start = offset
+        prev_blank = False
         if cfg.splitting or len(line) > cfg.max_sentence_chars:
             sentences.extend(_split(line, cfg, counts))
         else:
             sentences.extend(_clean([line], cfg, counts))
-    if sentences:
-        yield Document(f"{name}:{ordinal}", sentences)
+    if doc_start >= 0 and sentences:
+        yield Document(doc_id(), sentences)
 
 
 def _jsonl_docs(
@@ -203,8 +302,12 @@ def _jsonl_docs(
     url: str,
     cfg: InputConfig,
     counts: Counter[str],
+    end: int | None = None,
+    offset_ids: bool = False,
 ) -> Iterator[Document]:
-    for number, line in lines:
+    for number, (offset, line) in enumerate(lines, start=1):
+        if end is not None and offset >= end:
+            return
         if not line.strip():
             continue
         try:
@@ -214,28 +317,68 @@ def _jsonl_docs(
             counts["records_malformed"] += 1
             if counts["records_malformed"] <= 10:
                 log.warning(
-                    "%s line %d: not a JSON object with a %r field (%s); skipped",
+                    "%s %s: not a JSON object with a %r field (%s); skipped",
                     url,
-                    number,
+                    f"at byte {offset}" if offset_ids else f"line {number}",
                     cfg.text_field,
                     type(exc).__name__,
                 )
             continue
-        if not isinstance(text, str):
-            counts["records_malformed"] += 1
-            continue
-        doc_id = f"{name}:{number}"
+        doc_id = f"{name}@{offset}" if offset_ids else f"{name}:{number}"
         if cfg.id_field and cfg.id_field in record:
             doc_id = str(record[cfg.id_field])
-        sentences = (
-            _split(text, cfg, counts)
-            if cfg.splitting
-            else _clean([s.strip() for s in text.splitlines() if s.strip()], cfg, counts)
-        )
-        if sentences:
-            yield Document(doc_id, sentences)
-        else:
-            counts["documents_empty"] += 1
+        yield from _record_doc(text, doc_id, cfg, counts)
+
+
+def _record_doc(
+    text: object, doc_id: str, cfg: InputConfig, counts: Counter[str]
+) -> Iterator[Document]:
+    """The document of one JSONL or parquet record's text."""
+    if not isinstance(text, str):
+        counts["records_malformed"] += 1
+        return
+    sentences = (
+        _split(text, cfg, counts)
+        if cfg.splitting
+        else _clean([s.strip() for s in text.splitlines() if s.strip()], cfg, counts)
+    )
+    if sentences:
+        yield Document(doc_id, sentences)
+    else:
+        counts["documents_empty"] += 1
+
+
+def _parquet_docs(
+    url: str, name: str, cfg: InputConfig, counts: Counter[str], start: int, end: int | None
+) -> Iterator[Document]:
+    """Rows of row groups ``[start, end)``, one row group in memory at a time."""
+    import pyarrow.parquet as pq
+
+    try:
+        with fsio.open_url(url, "rb") as f:
+            pf = pq.ParquetFile(f)
+            meta = pf.metadata
+            if start == 0:
+                counts["files_read"] += 1
+            columns = [cfg.text_field] + ([cfg.id_field] if cfg.id_field else [])
+            columns = [c for c in columns if c in pf.schema_arrow.names]
+            row = sum(meta.row_group(g).num_rows for g in range(start))
+            for group in range(start, meta.num_row_groups if end is None else end):
+                table = pf.read_row_group(group, columns=columns)
+                texts = table.column(cfg.text_field).to_pylist()
+                ids = (
+                    table.column(cfg.id_field).to_pylist()
+                    if cfg.id_field in table.column_names
+                    else [None] * len(texts)
+                )
+                del table
+                for text, doc_id in zip(texts, ids, strict=True):
+                    key = f"{name}#{row}" if doc_id is None else str(doc_id)
+                    row += 1
+                    yield from _record_doc(text, key, cfg, counts)
+    except (OSError, ValueError) as exc:  # not parquet, truncated
+        counts["files_failed"] += 1
+        log.warning("stopped reading %s: %s: %s", url, type(exc).__name__, exc)
 
 
 def _text_doc(

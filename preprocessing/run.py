@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -20,8 +22,16 @@ from bertpipe import fsio, tracking
 from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
-from bertpipe.preprocessing.pipeline import Plan, build_pipeline, manifest_url, parts_folder
-from bertpipe.preprocessing.readers import COMPRESSION, common_root, read_documents
+from bertpipe.preprocessing.pipeline import (
+    Plan,
+    build_pipeline,
+    manifest_url,
+    parts_folder,
+    progress_folder,
+    spill_folder,
+)
+from bertpipe.preprocessing.ranges import ReadRange, plan_ranges
+from bertpipe.preprocessing.readers import common_root, read_documents
 from bertpipe.preprocessing.tokenizer import (
     SpecialTokens,
     TokenizerMismatchError,
@@ -32,6 +42,7 @@ from bertpipe.preprocessing.tokenizer import (
     tokenizer_checksum,
     train_wordpiece,
 )
+from bertpipe.progress import ProgressLine
 from bertpipe.seeding import stable_unit
 
 log = logging.getLogger(__name__)
@@ -39,7 +50,6 @@ log = logging.getLogger(__name__)
 __all__ = ["make_pipeline", "prepare", "run_preprocess", "train_tokenizer"]
 
 _SHARD_FILE = re.compile(r"^(train|heldout)-\d{5}\.tar$")
-_COMPRESSION_RATIO = 3.5  # assumed text bytes per compressed byte, for size estimates only
 
 
 class OutputExistsError(BertpipeError, FileExistsError):
@@ -110,6 +120,8 @@ def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
 def _sample_sentences(cfg: TokenizerConfig, files: list[str], counts: Counter[str]):  # type: ignore[no-untyped-def]
     root = common_root(files)
     taken = 0
+    budget = None if cfg.max_mb is None else cfg.max_mb * 1e6
+    text = 0
     for url in files:
         for doc in read_documents(url, cfg.input, counts, root=root):
             if (
@@ -120,28 +132,22 @@ def _sample_sentences(cfg: TokenizerConfig, files: list[str], counts: Counter[st
             taken += 1
             counts["documents_sampled"] += 1
             yield from doc.sentences
+            text += sum(len(s) + 1 for s in doc.sentences)
             if cfg.max_documents is not None and taken >= cfg.max_documents:
+                return
+            if budget is not None and text >= budget:
                 return
 
 
 # --------------------------------------------------------------------------- preprocess
 
 
-def estimate_text_bytes(files: Sequence[str]) -> int:
-    """Input size in (uncompressed, estimated) text bytes: sizes the buckets and shards."""
-    total = 0.0
-    for url in files:
-        fs, path = fsio.to_fs(url)
-        size = float(fs.size(path) or 0)
-        ext = "." + url.rsplit(".", 1)[-1].lower() if "." in url else ""
-        total += size * (_COMPRESSION_RATIO if ext in COMPRESSION else 1.0)
-    return int(total)
-
-
-def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[str]]:
-    """All checks, then the plan; raises a one-line error before any work is done."""
+def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[ReadRange]]:
+    """All checks, then the plan and the read ranges; raises a one-line error before any
+    work is done."""
     cfg.check_runnable()
     files = fsio.expand_urls(cfg.input.paths)
+    ranges = plan_ranges(files, cfg.input, int(cfg.split_mb * 1e6))
     try:
         tokenizer = load_tokenizer(cfg.tokenizer, lowercase=cfg.lowercase)
     except FileNotFoundError as exc:
@@ -157,7 +163,7 @@ def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[str]]:
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     for phase in cfg.phases:
         _check_output(cfg, phase.name)
-    text_bytes = estimate_text_bytes(files)
+    text_bytes = sum(r.text_bytes for r in ranges)
     shards = {
         p.name: {
             "train": cfg.num_shards(p, text_bytes),
@@ -183,7 +189,7 @@ def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[str]]:
         },
         continuation_ids=tuple(sorted(i for t, i in vocab.items() if t.startswith("##"))),
     )
-    return plan, files
+    return plan, ranges
 
 
 def _check_output(cfg: PreprocessConfig, phase: str) -> None:
@@ -198,49 +204,96 @@ def _check_output(cfg: PreprocessConfig, phase: str) -> None:
         )
 
 
-def make_pipeline(beam_args: Sequence[str]):  # type: ignore[no-untyped-def]
+def make_pipeline(beam_args: Sequence[str], tasks: int = 1, text_bytes: int = 0):  # type: ignore[no-untyped-def]
     """A Beam pipeline for ``beam_args``; the direct runner is pinned to the FnApiRunner.
 
     Beam's ``DirectRunner`` first tries to fetch and start Prism, which cannot work offline,
-    so the local default is the FnApiRunner it would fall back to (in-process, or
-    ``--direct_running_mode=multi_processing --direct_num_workers=N``). ``--runner=DaskRunner``
-    is accepted as a short name for Beam's Dask runner.
+    so the local default is the FnApiRunner it would fall back to. Without running-mode
+    flags it runs one worker process per core, up to ``tasks`` (the read ranges) and one per
+    :data:`MB_PER_WORKER` of text (starting a worker costs seconds), in ``multi_processing``
+    mode; ``--direct_num_workers=1`` keeps everything in this process.
+    ``--runner=DaskRunner`` is accepted as a short name for Beam's Dask runner, whose
+    ``Create`` defaults to one element per partition here (Beam's default of 128 puts a
+    whole small job in one partition, i.e. on one worker).
     """
     import apache_beam as beam
-    from apache_beam.options.pipeline_options import PipelineOptions, StandardOptions
+    from apache_beam.options.pipeline_options import (
+        DirectOptions,
+        PipelineOptions,
+        StandardOptions,
+    )
 
-    options = PipelineOptions(list(beam_args))
+    args = list(beam_args)
+    if not any(a.startswith("--default_sdk_harness_log_level") for a in args):
+        args.append("--default_sdk_harness_log_level=WARNING")  # workers' INFO is noise
+    options = PipelineOptions(args)
     standard = options.view_as(StandardOptions)
     if standard.runner in (None, "DirectRunner", "direct", "FnApiRunner"):
         from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
+        direct = options.view_as(DirectOptions)
+        given = any(a.startswith(("--direct_num_workers", "--direct_running_mode")) for a in args)
+        if not given:
+            by_size = -(-text_bytes // int(MB_PER_WORKER * 1e6))
+            direct.direct_num_workers = max(1, min(local_cores(), tasks, by_size))
+            direct.direct_running_mode = (
+                "multi_processing" if direct.direct_num_workers > 1 else "in_memory"
+            )
+        if direct.direct_running_mode == "multi_processing":
+            # one tokenizer thread per worker process: the workers are the parallelism
+            workers = direct.direct_num_workers or local_cores()
+            threads = max(1, local_cores() // workers)
+            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+        log.info(
+            "preprocess: direct runner, %s mode, %d worker(s)",
+            direct.direct_running_mode,
+            direct.direct_num_workers or local_cores(),
+        )
         return beam.Pipeline(runner=FnApiRunner(), options=options)
     if standard.runner == "DaskRunner":
         standard.runner = "apache_beam.runners.dask.dask_runner.DaskRunner"
+        if not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args):
+            options = PipelineOptions([*args, "--dask_partition_size=1"])
+            options.view_as(StandardOptions).runner = standard.runner
     return beam.Pipeline(options=options)
+
+
+MB_PER_WORKER = 16.0
+"""Text per default direct-runner worker: smaller jobs run in fewer processes."""
+
+
+def local_cores() -> int:
+    """CPUs this process may run on (the affinity mask, not the machine's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def run_preprocess(
     cfg: PreprocessConfig, beam_args: Sequence[str] = ()
 ) -> dict[str, dict[str, Any]]:
     """Run the Beam job and return each phase's manifest (also logged to MLflow)."""
-    plan, files = prepare(cfg)
+    plan, ranges = prepare(cfg)
+    text_bytes = sum(r.text_bytes for r in ranges)
     log.info(
-        "preprocess: %d file(s), ~%.1f MB of text, %d bucket(s), phases %s, shards %s",
-        len(files),
-        estimate_text_bytes(files) / 1e6,
+        "preprocess: %d file(s), ~%.1f MB of text in %d read range(s), %d bucket(s), phases %s, "
+        "shards %s",
+        plan.num_files,
+        text_bytes / 1e6,
+        len(ranges),
         plan.num_buckets,
         ", ".join(p.name for p in cfg.phases),
         json.dumps(plan.shards),
     )
     if cfg.overwrite:  # readers must never pair an old manifest with new shards
         fsio.remove(manifest_url(cfg.output, p.name) for p in cfg.phases)
-    fsio.remove((parts_folder(cfg.output, p.name) for p in cfg.phases), recursive=True)
+    _remove_scratch(cfg)
     started = time.monotonic()
-    pipeline = make_pipeline(beam_args)
-    build_pipeline(pipeline, plan, files)
-    result = pipeline.run()
-    result.wait_until_finish()
+    pipeline = make_pipeline(beam_args, len(ranges), text_bytes)
+    build_pipeline(pipeline, plan, ranges)
+    with PreprocessProgress(plan, ranges):
+        result = pipeline.run()
+        result.wait_until_finish()
     seconds = time.monotonic() - started
     manifests = {}
     empty = []
@@ -257,13 +310,87 @@ def run_preprocess(
             empty.append(phase.name)  # nothing of an earlier run is removed for it
         else:
             _remove_stale(cfg, phase.name, manifest)
-    fsio.remove((parts_folder(cfg.output, p.name) for p in cfg.phases), recursive=True)
+    _remove_scratch(cfg)
+    log.info(
+        "preprocess: %.1f MB of text in %.1f s (%.2f MB/s)",
+        text_bytes / 1e6,
+        seconds,
+        text_bytes / 1e6 / max(seconds, 1e-9),
+    )
     for manifest in manifests.values():
         _log_summary(manifest)
+    files = sorted({r.url for r in ranges})
     if empty:
         raise NoTrainingDataError(_no_training_data(cfg, files, manifests, empty))
     _log_to_mlflow(cfg, plan, manifests, seconds)
     return manifests
+
+
+def _remove_scratch(cfg: PreprocessConfig) -> None:
+    folders = [parts_folder(cfg.output, p.name) for p in cfg.phases]
+    fsio.remove([*folders, spill_folder(cfg.output), progress_folder(cfg.output)], recursive=True)
+
+
+class PreprocessProgress:
+    """MB of the corpus done, MB/s and the ETA of a running job, from the markers its tasks
+    leave in the output's ``_progress`` folder (any runner, any filesystem the workers
+    share), polled by a thread of the driver.
+
+    The three stages are weighed by their measured share of the work (reading and
+    tokenizing, instance creation, shard writing), so the rate and ETA are in corpus MB.
+    """
+
+    WEIGHTS = (0.45, 0.45, 0.10)
+
+    def __init__(
+        self, plan: Plan, ranges: Sequence[ReadRange], poll_s: float | None = None
+    ) -> None:
+        self._folder = progress_folder(plan.cfg.output)
+        self._sizes = {f"read-{r.index:06d}": r.text_bytes for r in ranges}
+        self._total = sum(self._sizes.values()) / 1e6
+        self._buckets = plan.num_buckets
+        self._shards = sum(n for split in plan.shards.values() for n in split.values())
+        self._line = ProgressLine("preprocess", max(self._total, 1e-6), unit="MB")
+        self._poll_s = poll_s if poll_s is not None else (1.0 if self._line.tty else 10.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="preprocess-progress", daemon=True)
+
+    def __enter__(self) -> PreprocessProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if exc[0] is None:
+            self.poll()
+        self._line.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            try:
+                self.poll()
+            except Exception as error:  # a listing that failed once must not end the job
+                log.debug("progress poll failed: %s", error)
+
+    def poll(self) -> float:
+        """Update the line from the markers; returns the MB done."""
+        names = [u.rsplit("/", 1)[-1] for u in fsio.list_files(self._folder)]
+        read = sum(self._sizes.get(n, 0) for n in names) / 1e6
+        buckets = sum(n.startswith("bucket-") for n in names)
+        shards = sum(n.startswith("shard-") for n in names)
+        w_read, w_bucket, w_shard = self.WEIGHTS
+        done = self._total * (
+            w_read * read / max(self._total, 1e-9)
+            + w_bucket * min(1.0, buckets / self._buckets)
+            + w_shard * min(1.0, shards / max(self._shards, 1))
+        )
+        self._line.update(
+            done,
+            f"read {read:,.0f}/{self._total:,.0f} MB, buckets {buckets}/{self._buckets}, "
+            f"shards {shards}/{self._shards}",
+        )
+        return done
 
 
 def _no_training_data(

@@ -13,7 +13,10 @@ import sys
 
 # name -> (module with add_arguments(parser) and run_bench(args) -> dict, help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "preprocess": ("bertpipe.preprocessing.bench", "Beam job vs the tokenizer alone, one core"),
+    "preprocess": (
+        "bertpipe.preprocessing.bench",
+        "Beam job vs tokenizer, one core; --scale-mb N: MB/s, memory",
+    ),
     "model": ("bertpipe.training.bench_model", "forward+backward, ours vs transformers', CPU"),
     "loader": ("bertpipe.training.bench_loader", "pre-training loader: collated instances/s"),
     "train": ("bertpipe.training.bench_train", "real trainer path steps: seq/s, MFU"),

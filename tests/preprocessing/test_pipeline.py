@@ -13,17 +13,16 @@ from apache_beam.testing.util import assert_that, equal_to
 
 from bertpipe.config import load_config
 from bertpipe.preprocessing.config import PreprocessConfig
-from bertpipe.preprocessing.instances import TokenizedDoc
 from bertpipe.preprocessing.pipeline import (
     CreateInstancesFn,
     Demux,
     PartRef,
-    ReadDocumentsFn,
+    ReadTokenizeFn,
+    SpillRef,
     SumCounts,
-    TokenizeFn,
     WriteShardFn,
 )
-from bertpipe.preprocessing.readers import InputConfig
+from bertpipe.preprocessing.ranges import ReadRange
 from bertpipe.preprocessing.run import prepare
 from bertpipe.preprocessing.shard_format import read_shard
 from tests.preprocessing.helpers import tokenized_docs
@@ -57,50 +56,46 @@ def test_demux_routes_by_tag() -> None:
         assert_that(parts["b"], equal_to([2]), label="b")
 
 
-def test_read_documents_fn(tmp_path: Path) -> None:
-    (tmp_path / "x.txt").write_text("One.\nTwo.\n\nThree.\nFour.\n")
-    (tmp_path / "y.bin").write_bytes(b"\x00")
-    with _pipeline() as p:
-        out = (
-            p
-            | beam.Create([str(tmp_path / "x.txt"), str(tmp_path / "y.bin")])
-            | beam.ParDo(ReadDocumentsFn(InputConfig(), str(tmp_path), 2, batch=1))
-            | Demux("docs", "counts")
-        )
-        assert_that(
-            out["docs"],
-            equal_to([[("x.txt:0", ["One.", "Two."])], [("x.txt:1", ["Three.", "Four."])]]),
-            label="docs",
-        )
-        total = out["counts"] | beam.CombineGlobally(SumCounts())
-        assert_that(
-            total,
-            equal_to(
-                [{"documents_read": 2, "files_read": 1, "files_skipped_unknown_extension": 1}]
-            ),
-            label="counts",
-        )
-
-
-def test_tokenize_fn_keys_and_drops_short(
+def test_read_tokenize_fn_spills_by_bucket(
     tokenizer_dir: Path, corpus_dir: Path, tmp_path: Path
 ) -> None:
-    plan = _plan(tokenizer_dir, corpus_dir, tmp_path, "heldout_fraction=0.0")
-    batch = [("d1", ["The man said it.", "Then two more."]), ("d2", ["Only one sentence."])]
+    """A range's documents are tokenized into its spill file, keyed by (split, bucket); only
+    references leave the task; unknown files and short documents are counted."""
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    (inputs / "x.txt").write_text(
+        "The man said it.\nThen two more.\n\nOnly one sentence.\n\nA third one.\nAnd four.\n"
+    )
+    (inputs / "y.bin").write_bytes(b"\x00")
+    plan = _plan(tokenizer_dir, inputs, tmp_path, "heldout_fraction=0.0", "bucket_mb=0.00001")
+    ranges = [
+        ReadRange(0, str(inputs / "x.txt"), 0, 30, split=True),
+        ReadRange(1, str(inputs / "x.txt"), 30, None, split=True),
+        ReadRange(2, str(inputs / "y.bin")),
+    ]
 
     def check(outputs: list) -> None:  # type: ignore[type-arg]
-        docs = [v for t, v in outputs if t == "docs"]
-        counts = [v for t, v in outputs if t == "counts"]
-        assert len(docs) == 1
-        (split, bucket), packed = docs[0]
-        assert split == "train" and 0 <= bucket < plan.num_buckets
-        doc = TokenizedDoc.unpack(packed)
-        assert doc.doc_id == "d1" and doc.sentence_ends.size == 2
-        assert counts == [{**counts[0], "documents_too_short": 1, "documents_kept": 1}]
+        refs = [v for t, v in outputs if t == "spill"]
+        counts = SumCounts().merge_accumulators([v for t, v in outputs if t == "counts"])
+        assert all(isinstance(ref, SpillRef) for _, ref in refs)
+        docs = {
+            doc.doc_id: (split, bucket, doc.sentence_ends.size)
+            for (split, bucket), ref in refs
+            for doc in ref.documents()
+        }
+        assert sorted(docs) == ["x.txt@0", "x.txt@53"]  # a split file: named by byte offset
+        assert all(split == "train" and 0 <= b < plan.num_buckets for split, b, _ in docs.values())
+        assert [n for _, _, n in docs.values()] == [2, 2]
+        assert counts["documents_read"] == 3 and counts["documents_too_short"] == 1
+        assert counts["files_read"] == 1 and counts["files_skipped_unknown_extension"] == 1
 
     with _pipeline() as p:
-        out = p | beam.Create([batch]) | beam.ParDo(TokenizeFn(plan))
+        out = p | beam.Create(ranges) | beam.ParDo(ReadTokenizeFn(plan))
         assert_that(out, check)
+    assert sorted(f.name for f in (tmp_path / "out" / "_spill").iterdir()) == [
+        "000000.bin",
+        "000001.bin",
+    ]
 
 
 def test_create_instances_then_write_shards(
@@ -108,7 +103,18 @@ def test_create_instances_then_write_shards(
 ) -> None:
     plan = _plan(tokenizer_dir, corpus_dir, tmp_path)
     docs = tokenized_docs(tokenizer_dir, 30, seed=3, min_sent=3, max_sent=20)
-    element = (("train", 0), [d.pack() for d in reversed(docs)])
+    spill = tmp_path / "spill.bin"
+    records = [len(d.pack()).to_bytes(4, "little") + d.pack() for d in reversed(docs)]
+    spill.write_bytes(b"".join(records))
+    half = sum(map(len, records[:11]))
+    # two pieces of the bucket, in either order: documents are sorted by id
+    element = (
+        ("train", 0),
+        [
+            SpillRef(str(spill), half, spill.stat().st_size - half),
+            SpillRef(str(spill), 0, half),
+        ],
+    )
     with _pipeline() as p:
         out = (
             p

@@ -1,0 +1,293 @@
+"""``bertpipe bench preprocess --scale-mb N``: the real CLI at corpus scale, memory and speed.
+
+Writes a deterministic corpus of ``N`` MB (:mod:`bertpipe.preprocessing.synthetic`, or the
+files given with ``--corpus`` repeated up to that size) to ``--files`` files, trains a
+16,000-token vocabulary on a 20 MB sample once, then runs ``bertpipe preprocess`` (one phase
+of 128 tokens, ``dupe_factor`` 5, no MLflow) as a child process:
+
+- ``--runner direct --workers 1``: the FnApiRunner in-process (``--direct_num_workers=1``);
+- ``--runner direct --workers K``: ``--direct_running_mode=multi_processing``, K workers;
+- ``--runner dask --workers K``: a local Dask cluster started with the ``dask scheduler``
+  and ``dask worker --nworkers K --nthreads 1`` commands, the job sent to it with
+  ``--runner=DaskRunner --dask_scheduler_file=...``.
+
+The run (and the Dask workers) is pinned to ``--workers`` CPUs, one core per worker, so
+that MB/s per worker is per core. The peak memory is the largest sum, over all processes
+started for the run (the CLI, Beam's worker processes, the Dask scheduler and workers), of
+their resident set size, sampled every 0.2 s; ``peak_rss_max_process_mb`` is the largest
+single process. Wall time is the CLI's whole run, start-up included. The corpus and
+tokenizer are kept in ``--workdir`` and reused by later runs with the same size, file count
+and source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+__all__ = ["add_scale_arguments", "run_scale"]
+
+
+def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("scale run (with --scale-mb)")
+    group.add_argument("--scale-mb", type=float, help="corpus size in MB: runs the scale bench")
+    group.add_argument("--workers", type=int, default=1, help="Beam workers (default 1)")
+    group.add_argument("--runner", choices=("direct", "dask"), default="direct")
+    group.add_argument("--files", type=int, default=16, help="corpus files (1: one big file)")
+    group.add_argument("--corpus", help="repeat these files (sentences layout) instead")
+    group.add_argument("--seed", type=int, default=0, help="synthetic corpus seed")
+
+
+def _corpus(args: argparse.Namespace, work: Path) -> Path:
+    from bertpipe.preprocessing.synthetic import write_synthetic_corpus
+
+    source = Path(args.corpus).resolve() if args.corpus else None
+    tag = f"{args.scale_mb:g}mb-{args.files}f-" + (
+        f"copies-{abs(hash(str(source))) % 10**8}" if source else f"synthetic-{args.seed}"
+    )
+    folder = work / f"corpus-{tag}"
+    done = folder / ".complete"
+    if done.exists():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    started = time.monotonic()
+    if source is None:
+        write_synthetic_corpus(folder, args.scale_mb, files=args.files, seed=args.seed)
+    else:
+        _repeat(source, folder, args.scale_mb, args.files)
+    done.write_text("")
+    log.info("corpus %s written in %.0f s", folder, time.monotonic() - started)
+    return folder
+
+
+def _repeat(source: Path, folder: Path, megabytes: float, files: int) -> None:
+    inputs = sorted(p for p in (source.rglob("*") if source.is_dir() else [source]) if p.is_file())
+    blobs = [p.read_bytes().rstrip(b"\n") + b"\n\n" for p in inputs]
+    folder.mkdir(parents=True)
+    outs = [(folder / f"part-{i:05d}.txt").open("wb") for i in range(files)]
+    written, k = 0, 0
+    try:
+        while written < megabytes * 1e6:
+            blob = blobs[k % len(blobs)]
+            outs[k % files].write(blob)
+            written += len(blob)
+            k += 1
+    finally:
+        for out in outs:
+            out.close()
+
+
+def _tokenizer(corpus: Path, work: Path) -> Path:
+    folder = work / f"tokenizer-{corpus.name}"
+    if (folder / "tokenizer.json").exists():
+        return folder
+    _cli(
+        [
+            "tokenizer",
+            "train",
+            f"input.paths=[{corpus}]",
+            f"output={folder}",
+            "vocab_size=16000",
+            "max_mb=20",
+            "overwrite=true",
+            "tracking.enabled=false",
+        ]
+    )
+    return folder
+
+
+def _cli(
+    argv: list[str], env: dict[str, str] | None = None, cpus: set[int] | None = None
+) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "bertpipe.app.cli", *argv]
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    )
+    if env is None:  # a set-up step: wait for it
+        out, _ = proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[:2])} failed:\n{out.decode()[-3000:]}")
+    return proc
+
+
+class _TreeMemory:
+    """Peak of the summed RSS of this process's descendants, sampled by a thread."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        import psutil
+
+        self._me = psutil.Process()
+        self._interval = interval
+        self.peak_sum = 0
+        self.peak_one = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> _TreeMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.wait(self._interval):
+            total = 0
+            for child in self._me.children(recursive=True):
+                try:
+                    rss = child.memory_info().rss
+                except psutil.Error:
+                    continue
+                total += rss
+                self.peak_one = max(self.peak_one, rss)
+            self.peak_sum = max(self.peak_sum, total)
+
+
+def run_scale(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        corpus = _corpus(args, work)
+        tokenizer = _tokenizer(corpus, work)
+        out = work / "shards"
+        text_mb = sum(p.stat().st_size for p in corpus.glob("*.txt")) / 1e6
+        env = dict(os.environ)
+        cpus = _cpus(args.workers)
+        extra: list[subprocess.Popen[bytes]] = []
+        if args.runner == "direct":
+            beam = (
+                ["--direct_num_workers=1"]
+                if args.workers == 1
+                else [
+                    "--direct_running_mode=multi_processing",
+                    f"--direct_num_workers={args.workers}",
+                ]
+            )
+        else:
+            scheduler_file = work / "dask-scheduler.json"
+            scheduler_file.unlink(missing_ok=True)
+            dask_env = dict(env, RAYON_NUM_THREADS="1")
+            dask = shutil.which("dask", path=str(Path(sys.executable).parent)) or "dask"
+            extra.append(
+                subprocess.Popen(
+                    [
+                        dask,
+                        "scheduler",
+                        "--scheduler-file",
+                        str(scheduler_file),
+                        "--host",
+                        "127.0.0.1",
+                        "--no-dashboard",
+                    ],
+                    env=dask_env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+            while not scheduler_file.exists():
+                time.sleep(0.2)
+            extra.append(
+                subprocess.Popen(
+                    [
+                        dask,
+                        "worker",
+                        "--scheduler-file",
+                        str(scheduler_file),
+                        "--nworkers",
+                        str(args.workers),
+                        "--nthreads",
+                        "1",
+                        "--memory-limit",
+                        "0",
+                        "--no-dashboard",
+                        "--host",
+                        "127.0.0.1",
+                    ],
+                    env=dask_env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+                )
+            )
+            _wait_workers(scheduler_file, args.workers)
+            beam = ["--runner=DaskRunner", f"--dask_scheduler_file={scheduler_file}"]
+        argv = [
+            "preprocess",
+            f"input.paths=[{corpus}]",
+            f"tokenizer={tokenizer}",
+            f"output={out}",
+            "overwrite=true",
+            f"dupe_factor={args.dupe_factor}",
+            "phases=[{name: seq128, max_seq_length: 128, max_predictions_per_seq: 20}]",
+            "tracking.enabled=false",
+            "--",
+            *beam,
+        ]
+        try:
+            with _TreeMemory() as memory:
+                started = time.monotonic()
+                proc = _cli(argv, env, cpus)
+                output, _ = proc.communicate()
+                wall = time.monotonic() - started
+        finally:
+            for p in reversed(extra):
+                p.terminate()
+                p.wait(timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bertpipe preprocess failed:\n{output.decode()[-4000:]}")
+        manifest = json.loads((out / "seq128" / "manifest.json").read_text())
+        splits = manifest["splits"]
+        return {
+            "mb": round(text_mb, 1),
+            "files": args.files,
+            "runner": args.runner,
+            "workers": args.workers,
+            "wall_s": round(wall, 1),
+            "mb_per_s": round(text_mb / wall, 3),
+            "mb_per_s_per_worker": round(text_mb / wall / args.workers, 3),
+            "peak_rss_mb": round(memory.peak_sum / 2**20, 1),
+            "peak_rss_max_process_mb": round(memory.peak_one / 2**20, 1),
+            "instances": splits["train"]["instances"] + splits["heldout"]["instances"],
+            "train_shards": splits["train"]["num_shards"],
+            "num_buckets": manifest["num_buckets"],
+            "dupe_factor": args.dupe_factor,
+            "cpus": len(cpus) if cpus else None,
+        }
+
+
+def _cpus(workers: int) -> set[int] | None:
+    """The first ``workers`` CPUs this process may use: the run gets one core per worker
+    (tokenizer threads included), so that MB/s per worker is per core."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    mine = sorted(os.sched_getaffinity(0))
+    if workers > len(mine):
+        log.warning("%d workers on %d CPUs: not pinned", workers, len(mine))
+        return None
+    return set(mine[:workers])
+
+
+def _wait_workers(scheduler_file: Path, n: int, timeout: float = 120.0) -> None:
+    from distributed import Client
+
+    with Client(scheduler_file=str(scheduler_file), timeout=timeout) as client:
+        client.wait_for_workers(n, timeout=timeout)
