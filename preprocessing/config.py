@@ -151,14 +151,16 @@ class PreprocessConfig:
     """Share of documents (by stable hash of the id) written to the held-out split."""
     bucket_mb: float = 32.0
     """Input megabytes per bucket: random-next segments come from the same bucket; buckets are
-    the unit of parallelism of instance creation."""
+    the unit of parallelism of instance creation, and what bounds a worker's memory (a
+    bucket's documents are in memory while its instances are made)."""
     split_mb: float = 64.0
     """Uncompressed ``sentences``/``jsonl`` files larger than this are read in byte ranges of
     about this size by several workers at once (parquet files in runs of row groups). The
     documents of a file read in ranges are named by byte offset instead of ordinal, which
     changes which of them are held out, not the statistics: part of the data's config."""
-    target_shard_mb: float = 128.0
-    """Estimated output megabytes per training shard when ``num_shards`` is null."""
+    target_shard_mb: float = 32.0
+    """Estimated output megabytes per training shard when ``num_shards`` is null. A shard is
+    shuffled whole, in the memory of the worker writing it: this bounds that memory."""
     min_shards: int = 8
     """Lower bound on estimated training shard counts."""
     instances_per_sample: int = 256

@@ -118,6 +118,10 @@ class PartRef(NamedTuple):
     url: str
     offset: int
     length: int
+    instances: int = 0
+    tokens: int = 0
+    masked: int = 0
+    """Sizes of the block's arrays: a shard writer allocates the shard once and fills it."""
 
     def read(self) -> bytes:
         fs, path = fsio.to_fs(self.url)
@@ -372,9 +376,20 @@ class CreateInstancesFn(beam.DoFn):
                         for shard in range(num_shards):
                             index = order[shard_of == shard]
                             if index.size:
-                                data = block.take(index).pack()
+                                part = block.take(index)
+                                data = part.pack()
                                 out.write(data)
-                                ref = PartRef(bucket, dupe, piece, part_url, written, len(data))
+                                ref = PartRef(
+                                    bucket,
+                                    dupe,
+                                    piece,
+                                    part_url,
+                                    written,
+                                    len(data),
+                                    len(part),
+                                    part.tokens.size,
+                                    part.mlm_pos.size,
+                                )
                                 refs.append((shard, ref))
                                 written += len(data)
             for shard, ref in refs:
@@ -436,7 +451,7 @@ class WriteShardFn(beam.DoFn):
         (phase, split, shard), refs = element
         cfg = self._plan.cfg
         # (bucket, dupe, piece) order, whatever order the runner delivered the parts in
-        block = InstanceBlock.concat([InstanceBlock.unpack(ref.read()) for ref in sorted(refs)])
+        block = _gather(sorted(refs))
         order = rng_for(cfg.seed, "shuffle", phase, split, shard).permutation(len(block))
         size = cfg.instances_per_sample
         samples = (
@@ -459,6 +474,29 @@ class WriteShardFn(beam.DoFn):
             "sha256": tar.sha256.hexdigest(),
         }
         yield phase, ("shard", record)
+
+
+def _gather(refs: list[PartRef]) -> InstanceBlock:
+    """The parts of a shard, concatenated into arrays allocated once: a writer holds the
+    shard plus one part, not the parts and their concatenation."""
+    first = InstanceBlock.unpack(refs[0].read())
+    arrays = (first.tokens, first.info, first.mlm_pos, first.mlm_ids)
+    sizes = (
+        sum(r.tokens for r in refs),
+        sum(r.instances for r in refs),
+        sum(r.masked for r in refs),
+        sum(r.masked for r in refs),
+    )
+    out = [np.empty((n, *a.shape[1:]), dtype=a.dtype) for n, a in zip(sizes, arrays, strict=True)]
+    at = [0, 0, 0, 0]
+    for i, ref in enumerate(refs):
+        part = first if i == 0 else InstanceBlock.unpack(ref.read())
+        for k, a in enumerate((part.tokens, part.info, part.mlm_pos, part.mlm_ids)):
+            out[k][at[k] : at[k] + len(a)] = a
+            at[k] += len(a)
+    if at != list(sizes):
+        raise RuntimeError(f"shard parts hold {at} elements, their references say {sizes}")
+    return InstanceBlock(*out)
 
 
 class WriteManifestFn(beam.DoFn):

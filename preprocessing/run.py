@@ -363,7 +363,7 @@ class PreprocessProgress:
         self._stop.set()
         self._thread.join()
         if exc[0] is None:
-            self.poll()
+            self.poll(force=True)
         self._line.close()
 
     def _run(self) -> None:
@@ -373,8 +373,8 @@ class PreprocessProgress:
             except Exception as error:  # a listing that failed once must not end the job
                 log.debug("progress poll failed: %s", error)
 
-    def poll(self) -> float:
-        """Update the line from the markers; returns the MB done."""
+    def poll(self, force: bool = False) -> float:
+        """Update the line from the markers (``force``: log it now); returns the MB done."""
         names = [u.rsplit("/", 1)[-1] for u in fsio.list_files(self._folder)]
         read = sum(self._sizes.get(n, 0) for n in names) / 1e6
         buckets = sum(n.startswith("bucket-") for n in names)
@@ -387,8 +387,9 @@ class PreprocessProgress:
         )
         self._line.update(
             done,
-            f"read {read:,.0f}/{self._total:,.0f} MB, buckets {buckets}/{self._buckets}, "
+            f"read {read:,.1f}/{self._total:,.1f} MB, buckets {buckets}/{self._buckets}, "
             f"shards {shards}/{self._shards}",
+            force=force,
         )
         return done
 

@@ -14,7 +14,7 @@ import pytest
 from bertpipe.app.cli import main
 from bertpipe.config import load_config
 from bertpipe.preprocessing.config import PreprocessConfig
-from bertpipe.preprocessing.run import run_preprocess
+from bertpipe.preprocessing.run import prepare, run_preprocess
 from bertpipe.preprocessing.shard_format import read_shard
 
 pytestmark = pytest.mark.integration
@@ -220,3 +220,68 @@ def test_tokenizer_cli_trains_and_imports(corpus_dir: Path, tmp_path: Path) -> N
     assert main([*args[:3], f"output={again}", "vocab_size=300", "tracking.enabled=false"]) == 0
     assert (again / "vocab.txt").read_bytes() == (out / "vocab.txt").read_bytes()
     assert np.all(np.array(vocab[:5]) == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+
+
+def test_progress_in_corpus_mb_from_task_markers(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver counts the markers the tasks leave (ranges read, training buckets made,
+    shards written) as corpus MB done, and logs the last line when the job ends."""
+    from bertpipe.preprocessing.pipeline import _mark_done
+    from bertpipe.preprocessing.run import PreprocessProgress
+
+    cfg = _cfg(corpus_dir, tokenizer_dir, tmp_path / "o", "tracking.enabled=false")
+    plan, ranges = prepare(cfg)
+    total = sum(r.text_bytes for r in ranges) / 1e6
+    progress = PreprocessProgress(plan, ranges, poll_s=3600)
+    assert progress.poll() == 0.0
+    _mark_done(cfg.output, f"read-{ranges[0].index:06d}")
+    first = ranges[0].text_bytes / 1e6
+    assert progress.poll() == pytest.approx(0.45 * first)
+    for r in ranges:
+        _mark_done(cfg.output, f"read-{r.index:06d}")
+    for b in range(plan.num_buckets):
+        _mark_done(cfg.output, f"bucket-{b:06d}")
+    assert progress.poll() == pytest.approx(0.9 * total)
+
+    with caplog.at_level("INFO", logger="bertpipe.progress"):
+        run_preprocess(_cfg(corpus_dir, tokenizer_dir, tmp_path / "run", "tracking.enabled=false"))
+    last = [r.getMessage() for r in caplog.records if " buckets " in r.getMessage()]
+    assert last and "100%" in last[-1], last
+    assert f"buckets {plan.num_buckets}/{plan.num_buckets}" in last[-1]
+    assert "shards 9/9" in last[-1]  # 4 + 3 training shards, a held-out shard per phase
+    assert not (tmp_path / "run" / "_progress").exists()
+    assert not (tmp_path / "run" / "_spill").exists()
+
+
+def test_a_big_file_split_in_ranges_gives_the_same_shards_as_fewer_ranges(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """One file over split_mb is read in byte ranges (documents named by offset): any range
+    size gives byte-identical shards and statistics, on one worker or two processes."""
+    single = tmp_path / "in" / "all.txt"
+    single.parent.mkdir()
+    single.write_bytes(b"\n\n".join(p.read_bytes() for p in sorted(corpus_dir.glob("*.txt"))))
+    size_mb = single.stat().st_size / 1e6
+
+    def run(out: str, split_mb: float, beam: list[str]) -> tuple[int, dict[str, str], dict]:  # type: ignore[type-arg]
+        cfg = _cfg(
+            single.parent,
+            tokenizer_dir,
+            tmp_path / out,
+            "tracking.enabled=false",
+            f"split_mb={split_mb}",
+        )
+        ranges = prepare(cfg)[1]
+        assert all(r.split for r in ranges)
+        manifest = run_preprocess(cfg, beam)["seq64"]
+        shards = {k: v for k, v in _digest(tmp_path / out).items() if k.endswith(".tar")}
+        return len(ranges), shards, {k: manifest[k] for k in ("splits", "stats")}
+
+    n_few, few, few_manifest = run("few", size_mb / 3, ["--direct_num_workers=1"])
+    n_many, many, many_manifest = run(
+        "many", size_mb / 17, ["--direct_running_mode=multi_processing", "--direct_num_workers=2"]
+    )
+    assert 3 <= n_few < 6 < n_many
+    assert few == many and len(few) == 9
+    assert few_manifest == many_manifest
