@@ -76,6 +76,8 @@ __all__ = [
 NAMESPACE = "bertpipe.preprocess"
 SPILL_BYTES = 64 << 20
 """Tokenized documents a read task buffers before writing them to its spill file."""
+PART_FLUSH_BYTES = 64 << 20
+"""A bucket's instances buffered (per shard) before they are written as parts."""
 CHUNK_INSTANCES = 8192
 """Instances assembled and masked at a time (bounds the scratch memory of a bucket)."""
 SPLITS = ("train", "heldout")
@@ -359,11 +361,10 @@ class CreateInstancesFn(beam.DoFn):
             # round-robin over the shards continues from pass to pass, from a hashed start
             dealt = stable_hash(cfg.seed, "offset", phase.name, split, bucket) % num_shards
             part_url = fsio.join(parts_folder(cfg.output, phase.name), f"{split}-{bucket:06d}.bin")
-            refs: list[tuple[int, PartRef]] = []
             fs, path = fsio.to_fs(part_url)
             fs.makedirs(posixpath.dirname(path), exist_ok=True)
             with fs.open(path, "wb") as out:
-                written = 0
+                parts = _ShardParts(out, part_url, bucket)
                 for dupe in range(cfg.dupe_factor):
                     spread = rng_for(cfg.seed, "spread", phase.name, split, bucket, dupe)
                     for piece, block in enumerate(
@@ -376,22 +377,11 @@ class CreateInstancesFn(beam.DoFn):
                         for shard in range(num_shards):
                             index = order[shard_of == shard]
                             if index.size:
-                                part = block.take(index)
-                                data = part.pack()
-                                out.write(data)
-                                ref = PartRef(
-                                    bucket,
-                                    dupe,
-                                    piece,
-                                    part_url,
-                                    written,
-                                    len(data),
-                                    len(part),
-                                    part.tokens.size,
-                                    part.mlm_pos.size,
-                                )
-                                refs.append((shard, ref))
-                                written += len(data)
+                                parts.add(shard, (dupe, piece), block.take(index))
+                        if parts.buffered >= PART_FLUSH_BYTES:
+                            parts.flush()
+                parts.flush()
+            refs = parts.refs
             for shard, ref in refs:
                 yield "parts", ((phase.name, split, shard), ref)
             Metrics.counter(NAMESPACE, f"{phase.name}_{split}_instances").inc(counts["instances"])
@@ -439,6 +429,56 @@ class CreateInstancesFn(beam.DoFn):
             counts["masked_tokens"] += int(block.info[:, NUM_MASKED].sum())
             counts["random_next"] += int(block.info[:, RANDOM_NEXT].sum())
             yield block
+
+
+class _ShardParts:
+    """A bucket's instances per shard, buffered and written one shard after another.
+
+    Every piece of the recipe (``CHUNK_INSTANCES``) is dealt over all shards; writing each
+    slice as its own part would give ``buckets x dupes x pieces x shards`` references (tens
+    of millions, of a few instances each, for BERT's corpus). Buffered up to
+    :data:`PART_FLUSH_BYTES`, a bucket has one part per shard and flush instead. A part's
+    instances stay in (dupe, piece) order, so shards are the same as with one part per slice.
+    """
+
+    def __init__(self, out: Any, url: str, bucket: int) -> None:
+        self._out = out
+        self._url = url
+        self._bucket = bucket
+        self._blocks: dict[int, list[InstanceBlock]] = {}
+        self._first: tuple[int, int] = (0, 0)
+        self._written = 0
+        self.buffered = 0
+        self.refs: list[tuple[int, PartRef]] = []
+
+    def add(self, shard: int, key: tuple[int, int], block: InstanceBlock) -> None:
+        if not self._blocks:
+            self._first = key
+        self._blocks.setdefault(shard, []).append(block)
+        self.buffered += sum(a.nbytes for a in (block.tokens, block.info, block.mlm_pos))
+        self.buffered += block.mlm_ids.nbytes
+
+    def flush(self) -> None:
+        dupe, piece = self._first
+        for shard in sorted(self._blocks):
+            part = InstanceBlock.concat(self._blocks[shard])
+            data = part.pack()
+            self._out.write(data)
+            ref = PartRef(
+                self._bucket,
+                dupe,
+                piece,
+                self._url,
+                self._written,
+                len(data),
+                len(part),
+                part.tokens.size,
+                part.mlm_pos.size,
+            )
+            self.refs.append((shard, ref))
+            self._written += len(data)
+        self._blocks.clear()
+        self.buffered = 0
 
 
 class WriteShardFn(beam.DoFn):
