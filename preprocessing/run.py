@@ -7,6 +7,7 @@ checked before any document is read, so a bad invocation fails in a second with 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -15,7 +16,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from bertpipe import fsio, tracking
@@ -239,11 +240,6 @@ def make_pipeline(beam_args: Sequence[str], tasks: int = 1, text_bytes: int = 0)
             direct.direct_running_mode = (
                 "multi_processing" if direct.direct_num_workers > 1 else "in_memory"
             )
-        if direct.direct_running_mode == "multi_processing":
-            # one tokenizer thread per worker process: the workers are the parallelism
-            workers = direct.direct_num_workers or local_cores()
-            threads = max(1, local_cores() // workers)
-            os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
         log.info(
             "preprocess: direct runner, %s mode, %d worker(s)",
             direct.direct_running_mode,
@@ -260,6 +256,24 @@ def make_pipeline(beam_args: Sequence[str], tasks: int = 1, text_bytes: int = 0)
 
 MB_PER_WORKER = 16.0
 """Text per default direct-runner worker: smaller jobs run in fewer processes."""
+
+
+@contextlib.contextmanager
+def _worker_threads(pipeline: Any) -> Iterator[None]:
+    """The direct runner's worker processes get ``cores // workers`` tokenizer threads each
+    (``RAYON_NUM_THREADS`` while they start, unless set): the workers are the parallelism."""
+    from apache_beam.options.pipeline_options import DirectOptions
+
+    direct = pipeline._options.view_as(DirectOptions)
+    if direct.direct_running_mode != "multi_processing" or "RAYON_NUM_THREADS" in os.environ:
+        yield
+        return
+    workers = direct.direct_num_workers or local_cores()
+    os.environ["RAYON_NUM_THREADS"] = str(max(1, local_cores() // workers))
+    try:
+        yield
+    finally:
+        del os.environ["RAYON_NUM_THREADS"]
 
 
 def local_cores() -> int:
@@ -291,7 +305,7 @@ def run_preprocess(
     started = time.monotonic()
     pipeline = make_pipeline(beam_args, len(ranges), text_bytes)
     build_pipeline(pipeline, plan, ranges)
-    with PreprocessProgress(plan, ranges):
+    with PreprocessProgress(plan, ranges), _worker_threads(pipeline):
         result = pipeline.run()
         result.wait_until_finish()
     seconds = time.monotonic() - started

@@ -156,3 +156,54 @@ def test_prepare_rejects_inputs_before_work(tokenizer_dir: Path, tmp_path: Path,
 
     with pytest.raises(NoMatchError, match="nothing-matches"):
         _plan(tokenizer_dir, tmp_path / bad, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("beam_args", "cores", "tasks", "mb", "mode", "workers"),
+    [
+        ([], 8, 40, 1000, "multi_processing", 8),  # a big corpus: a worker per core
+        ([], 8, 3, 1000, "multi_processing", 3),  # no more workers than read tasks
+        ([], 8, 40, 20, "multi_processing", 2),  # one per 16 MB of text
+        ([], 8, 40, 10, "in_memory", 1),  # a small corpus stays in this process
+        ([], 1, 40, 1000, "in_memory", 1),
+        (["--direct_num_workers=1"], 8, 40, 1000, "in_memory", 1),  # the user's choice
+        (
+            ["--direct_running_mode=multi_processing", "--direct_num_workers=3"],
+            8,
+            40,
+            10,
+            "multi_processing",
+            3,
+        ),
+    ],
+)
+def test_direct_runner_defaults_to_a_worker_per_core(
+    monkeypatch: pytest.MonkeyPatch,
+    beam_args: list[str],
+    cores: int,
+    tasks: int,
+    mb: int,
+    mode: str,
+    workers: int,
+) -> None:
+    from apache_beam.options.pipeline_options import DirectOptions
+
+    from bertpipe.preprocessing import run
+
+    monkeypatch.setattr(run, "local_cores", lambda: cores)
+    options = run.make_pipeline(beam_args, tasks, mb * 10**6)._options.view_as(DirectOptions)
+    assert options.direct_running_mode == mode
+    assert options.direct_num_workers == workers
+
+
+def test_dask_runner_gets_a_partition_per_read_task() -> None:
+    from apache_beam.options.pipeline_options import StandardOptions
+
+    from bertpipe.preprocessing.run import make_pipeline
+
+    options = make_pipeline(["--runner=DaskRunner"], 4)._options
+    assert options.view_as(StandardOptions).runner.endswith("dask_runner.DaskRunner")
+    assert options.get_all_options()["partition_size"] == 1
+    given = make_pipeline(["--runner=DaskRunner", "--dask_npartitions=7"], 4)._options
+    assert given.get_all_options()["npartitions"] == 7
+    assert given.get_all_options()["partition_size"] is None
