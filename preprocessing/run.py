@@ -123,12 +123,14 @@ def _sample_sentences(cfg: TokenizerConfig, files: list[str], counts: Counter[st
     taken = 0
     budget = None if cfg.max_mb is None else cfg.max_mb * 1e6
     text = 0
+
+    def sampled(doc_id: str) -> bool:
+        return stable_unit("sample", doc_id) < cfg.sample_fraction
+
+    keep = sampled if cfg.sample_fraction < 1.0 else None
     for url in files:
-        for doc in read_documents(url, cfg.input, counts, root=root):
-            if (
-                cfg.sample_fraction < 1.0
-                and stable_unit("sample", doc.doc_id) >= cfg.sample_fraction
-            ):
+        for doc in read_documents(url, cfg.input, counts, root=root, keep=keep):
+            if keep is not None and not keep(doc.doc_id):  # the sentences layout
                 continue
             taken += 1
             counts["documents_sampled"] += 1

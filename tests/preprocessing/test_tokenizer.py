@@ -81,3 +81,38 @@ def test_literal_special_tokens_in_text_are_text() -> None:
     ids = CorpusEncoder(tok).encode(["The [MASK] and [CLS] tokens.", "Plain text."])
     assert not specials.intersection(ids[0])
     assert ids[1] == tok.encode("Plain text.", add_special_tokens=False).ids
+
+
+def test_a_sample_of_a_big_corpus_is_chosen_before_splitting_and_capped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sample_fraction picks documents by id before their text is split into sentences,
+    and max_mb stops reading at that much sampled text."""
+    import json
+    from collections import Counter
+
+    from bertpipe.preprocessing import readers
+    from bertpipe.preprocessing.config import TokenizerConfig
+    from bertpipe.preprocessing.readers import InputConfig
+    from bertpipe.preprocessing.run import _sample_sentences
+    from bertpipe.seeding import stable_unit
+
+    path = tmp_path / "c.jsonl"
+    texts = [f"Document {i} is here. It has two sentences." for i in range(400)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    split_calls = []
+    real_split = readers.split_sentences
+    monkeypatch.setattr(
+        readers, "split_sentences", lambda t: split_calls.append(t) or real_split(t)
+    )
+
+    def sample(**kw: object) -> list[str]:
+        cfg = TokenizerConfig(input=InputConfig(paths=[str(path)], format="jsonl"), **kw)  # type: ignore[arg-type]
+        return list(_sample_sentences(cfg, [str(path)], Counter()))
+
+    half = sample(sample_fraction=0.5)
+    chosen = [i for i in range(400) if stable_unit("sample", f"c.jsonl:{i + 1}") < 0.5]
+    assert half == [s for i in chosen for s in real_split(texts[i])]
+    assert len(split_calls) == len(chosen)  # the others were never split
+    capped = sample(max_mb=0.002)  # 2,000 characters
+    assert 2000 <= sum(len(s) + 1 for s in capped) < 2000 + 60
