@@ -10,7 +10,7 @@ import pytest
 
 from bertpipe.config import load_config
 from bertpipe.preprocessing.config import PreprocessConfig
-from bertpipe.preprocessing.run import run_preprocess
+from bertpipe.preprocessing.run import prepare, run_preprocess
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -28,11 +28,13 @@ def _run(corpus: Path, tokenizer: Path, out: Path, beam_args: list[str]) -> dict
             "dupe_factor=2",
             "heldout_fraction=0.05",
             "bucket_mb=0.03",  # several buckets, so work really is spread
+            "split_mb=0.03",  # and every file read in byte ranges by several tasks
             "tokenize_batch_documents=16",  # several elements per file
             "instances_per_sample=64",
             "tracking.enabled=false",
         ],
     )
+    assert len(prepare(cfg)[1]) > 6
     manifests = run_preprocess(cfg, beam_args)
     assert all(m["num_buckets"] > 3 for m in manifests.values())
     return {

@@ -285,3 +285,33 @@ def test_a_big_file_split_in_ranges_gives_the_same_shards_as_fewer_ranges(
     assert 3 <= n_few < 6 < n_many
     assert few == many and len(few) == 9
     assert few_manifest == many_manifest
+
+
+def test_parquet_corpus_end_to_end(corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path) -> None:
+    """A hub-style parquet corpus (a document per row, several row groups, read in runs of
+    row groups by several tasks) gives the documents, instances and shards of the text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    docs = []
+    for p in sorted(corpus_dir.glob("*.txt")):
+        docs += [d for d in p.read_text().split("\n\n") if d.strip()]
+    folder = tmp_path / "parquet"
+    folder.mkdir()
+    table = pa.Table.from_pylist([{"id": i, "text": d} for i, d in enumerate(docs)])
+    pq.write_table(table, folder / "train-00000-of-00001.parquet", row_group_size=16)
+    cfg = _cfg(
+        folder,
+        tokenizer_dir,
+        tmp_path / "out",
+        "tracking.enabled=false",
+        "input.format=parquet",
+        "input.id_field=id",
+        "split_mb=0.02",
+    )
+    assert len(prepare(cfg)[1]) > 3
+    manifest = run_preprocess(cfg)["seq64"]
+    corpus = manifest["stats"]["corpus"]
+    assert corpus["documents_read"] == len(docs) and corpus["files_read"] == 1
+    assert corpus["documents_kept"] > 0.9 * len(docs)
+    assert manifest["splits"]["train"]["instances"] > 1000
