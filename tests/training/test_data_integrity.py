@@ -212,12 +212,15 @@ def test_manifest_briefly_unreadable_is_retried(tmp_path: Path) -> None:
     manifest = folder / "manifest.json"
     original = manifest.read_bytes()
     manifest.unlink()
-    manifest.mkdir()  # a read fails with an OSError, not FileNotFoundError
+    (tmp_path / "a-folder").mkdir()
+    # a read fails with an OSError (a folder), not FileNotFoundError
+    manifest.symlink_to(tmp_path / "a-folder")
 
-    def restore() -> None:
+    def restore() -> None:  # atomically, as a writer publishes it: never missing in between
         time.sleep(0.3)
-        manifest.rmdir()
-        manifest.write_bytes(original)
+        staged = folder / "manifest.json.tmp"
+        staged.write_bytes(original)
+        os.replace(staged, manifest)
 
     thread = threading.Thread(target=restore)
     thread.start()
