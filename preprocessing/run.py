@@ -366,7 +366,8 @@ class PreprocessProgress:
         self._total = sum(self._sizes.values()) / 1e6
         self._buckets = plan.num_buckets
         self._shards = sum(n for split in plan.shards.values() for n in split.values())
-        self._line = ProgressLine("preprocess", max(self._total, 1e-6), unit="MB")
+        # the line counts tenths of MB: 1.4/1.4 MB, not 1.441739/1.441739
+        self._line = ProgressLine("preprocess", max(round(self._total, 1), 0.1), unit="MB")
         self._poll_s = poll_s if poll_s is not None else (1.0 if self._line.tty else 10.0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="preprocess-progress", daemon=True)
@@ -402,7 +403,7 @@ class PreprocessProgress:
             + w_shard * min(1.0, shards / max(self._shards, 1))
         )
         self._line.update(
-            done,
+            round(done, 1),
             f"read {read:,.1f}/{self._total:,.1f} MB, buckets {buckets}/{self._buckets}, "
             f"shards {shards}/{self._shards}",
             force=force,
