@@ -48,6 +48,12 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--files", type=int, default=16, help="corpus files (1: one big file)")
     group.add_argument("--corpus", help="repeat these files (sentences layout) instead")
     group.add_argument("--seed", type=int, default=0, help="synthetic corpus seed")
+    group.add_argument(
+        "--format",
+        choices=("sentences", "parquet"),
+        default="sentences",
+        help="corpus files: sentence per line, or parquet (a document per row, as hub datasets)",
+    )
 
 
 def _corpus(args: argparse.Namespace, work: Path) -> Path:
@@ -57,6 +63,8 @@ def _corpus(args: argparse.Namespace, work: Path) -> Path:
     tag = f"{args.scale_mb:g}mb-{args.files}f-" + (
         f"copies-{abs(hash(str(source))) % 10**8}" if source else f"synthetic-{args.seed}"
     )
+    if args.format == "parquet":
+        tag += "-parquet"
     folder = work / f"corpus-{tag}"
     done = folder / ".complete"
     if done.exists():
@@ -67,6 +75,8 @@ def _corpus(args: argparse.Namespace, work: Path) -> Path:
         write_synthetic_corpus(folder, args.scale_mb, files=args.files, seed=args.seed)
     else:
         _repeat(source, folder, args.scale_mb, args.files)
+    if args.format == "parquet":
+        _to_parquet(folder)
     done.write_text("")
     log.info("corpus %s written in %.0f s", folder, time.monotonic() - started)
     return folder
@@ -89,7 +99,36 @@ def _repeat(source: Path, folder: Path, megabytes: float, files: int) -> None:
             out.close()
 
 
-def _tokenizer(corpus: Path, work: Path) -> Path:
+def _to_parquet(folder: Path, rows_per_group: int = 2000) -> None:
+    """Each sentence-per-line file -> a parquet file of one document per row (``text``, the
+    sentences joined by newlines, and ``id``), in row groups of ``rows_per_group``. The run
+    reads it with ``input.split_sentences=false`` (a line is a sentence)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for path in sorted(folder.glob("*.txt")):
+        docs = [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+        table = pa.table({"id": [f"{path.stem}-{i}" for i in range(len(docs))], "text": docs})
+        pq.write_table(table, path.with_suffix(".parquet"), row_group_size=rows_per_group)
+        path.unlink()
+
+
+def _corpus_mb(corpus: Path, fmt: str) -> float:
+    """Text megabytes of the corpus (for parquet: the text column, uncompressed)."""
+    if fmt != "parquet":
+        return sum(p.stat().st_size for p in corpus.glob("*.txt")) / 1e6
+    import pyarrow.parquet as pq
+
+    return (
+        sum(
+            sum(len(t.encode()) for t in pq.read_table(p, columns=["text"]).column(0).to_pylist())
+            for p in corpus.glob("*.parquet")
+        )
+        / 1e6
+    )
+
+
+def _tokenizer(corpus: Path, work: Path, fmt: str = "sentences") -> Path:
     folder = work / f"tokenizer-{corpus.name}"
     if (folder / "tokenizer.json").exists():
         return folder
@@ -98,6 +137,8 @@ def _tokenizer(corpus: Path, work: Path) -> Path:
             "tokenizer",
             "train",
             f"input.paths=[{corpus}]",
+            f"input.format={fmt}",
+            "input.split_sentences=false",
             f"output={folder}",
             "vocab_size=16000",
             "max_mb=20",
@@ -167,9 +208,9 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         corpus = _corpus(args, work)
-        tokenizer = _tokenizer(corpus, work)
+        tokenizer = _tokenizer(corpus, work, args.format)
         out = work / "shards"
-        text_mb = sum(p.stat().st_size for p in corpus.glob("*.txt")) / 1e6
+        text_mb = _corpus_mb(corpus, args.format)
         env = dict(os.environ)
         cpus = _cpus(args.workers)
         extra: list[subprocess.Popen[bytes]] = []
@@ -233,6 +274,11 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
         argv = [
             "preprocess",
             f"input.paths=[{corpus}]",
+            f"input.format={args.format}",
+            "input.id_field=id" if args.format == "parquet" else "input.id_field=null",
+            # the synthetic text is lower-case, which a sentence splitter cannot cut: a
+            # document's lines are its sentences, as in the sentence-per-line files
+            "input.split_sentences=false",
             f"tokenizer={tokenizer}",
             f"output={out}",
             "overwrite=true",
@@ -259,6 +305,7 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
         return {
             "mb": round(text_mb, 1),
             "files": args.files,
+            "format": args.format,
             "runner": args.runner,
             "workers": args.workers,
             "wall_s": round(wall, 1),
