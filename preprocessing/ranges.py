@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from bertpipe import fsio
 from bertpipe.config import ConfigError
-from bertpipe.preprocessing.readers import EXTENSIONS, InputConfig, _split_extension
+from bertpipe.preprocessing.readers import EXTENSIONS, InputConfig, split_extension
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def plan_ranges(files: Sequence[str], cfg: InputConfig, range_bytes: int) -> lis
 
     for url in files:
         fs, path = fsio.to_fs(url)
-        ext, compression = _split_extension(url)
+        ext, compression = split_extension(url)
         if cfg.format == "parquet" and ext in EXTENSIONS["parquet"]:
             for start, end, size in _parquet_groups(url, cfg, range_bytes):
                 add(url, start, end, size)

@@ -104,7 +104,8 @@ def common_root(urls: list[str]) -> str:
     return prefix[: prefix.rfind("/")] if "/" in prefix else ""
 
 
-def _split_extension(url: str) -> tuple[str, str | None]:
+def split_extension(url: str) -> tuple[str, str | None]:
+    """The layout extension of ``url`` and its compression (``a.txt.gz`` -> ``.txt``, ``gzip``)."""
     name = posixpath.basename(url).lower()
     base, ext = posixpath.splitext(name)
     compression = COMPRESSION.get(ext)
@@ -139,7 +140,7 @@ def read_documents(
     """
     if (start or end is not None) and not offset_ids and cfg.format != "parquet":
         raise ValueError("a byte range of a file is read with offset_ids=True")
-    ext, compression = _split_extension(url)
+    ext, compression = split_extension(url)
     name = relative_name(url, root)
     first = start == 0
     if ext not in EXTENSIONS[cfg.format]:
