@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # Under pytest-xdist (`make test`: one worker per core) every worker and its children compute
 # on one thread: two workers with torch's default of a thread per core would oversubscribe
@@ -199,3 +200,40 @@ def mlflow_server(tmp_path: Path) -> Iterator[str]:
         yield server.uri
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3 server (moto's server mode, :mod:`tests.s3`) on 127.0.0.1 for the session."""
+    from tests.s3 import running_server
+
+    yield from running_server(tmp_path_factory.mktemp("s3server"))
+
+
+class S3Env:
+    """What an S3 test holds: the server, a fresh bucket (``s3://…``) and the environment
+    (already set in this process) that its child processes need."""
+
+    def __init__(self, server: Any, bucket: str, env: dict[str, str]) -> None:
+        self.server = server
+        self.bucket = bucket
+        self.env = env
+
+    def child_env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, **self.env, **extra}
+
+
+@pytest.fixture
+def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Env]:
+    """The session's S3 server with a new bucket, its endpoint and keys in the environment
+    (as a MinIO/Ceph user would set them) and s3fs's cached clients dropped before and after."""
+    import s3fs
+
+    env = s3_server.env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield S3Env(s3_server, s3_server.make_bucket(), env)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
