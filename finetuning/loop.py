@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bertpipe import fsio, tracking
+from bertpipe import fsio, staging, tracking
 from bertpipe.config import ConfigError, redacted, to_dict, to_yaml
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.data import (
@@ -133,46 +133,67 @@ class FinetuneResult:
 
 
 def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
-    """Read ``init_from``: an HF BERT folder (an export) or a pre-training checkpoint folder."""
-    source = Path(str(cfg.init_from))
+    """Read ``init_from``: an HF BERT folder (an export) or a pre-training checkpoint folder,
+    local or on object storage (an export there is downloaded to be read)."""
+    url = str(cfg.init_from)
+    if staging.is_remote(url):
+        if fsio.exists(fsio.join(url, "config.json")):
+            with staging.local_copy(url) as local:
+                return _load_hf_initialisation(cfg, local, url)
+        if ckpt.latest_tag(url) is not None:
+            return _load_checkpoint_initialisation(cfg, url)
+        raise ConfigError(
+            "init_from",
+            f"{url} is neither an HF BERT folder (config.json) nor a checkpoint folder (latest)",
+        )
+    source = Path(url)
     if (source / "config.json").exists():
-        from bertpipe.training.hf import load_hf_folder
-
-        model_cfg, weights = load_hf_folder(source)
-        lineage = {}
-        if (source / "bertpipe_export.json").exists():
-            lineage = json.loads((source / "bertpipe_export.json").read_text())
-        hf_config = json.loads((source / "config.json").read_text())
-        labels = None
-        if any(a != "BertForPreTraining" for a in hf_config.get("architectures", [])):
-            id2label = hf_config.get("id2label") or {}
-            labels = [id2label[k] for k in sorted(id2label, key=int)] or None
-        return Initialisation(
-            model_cfg,
-            weights,
-            cfg.tokenizer or str(source),
-            lineage.get("source_run_id") or lineage.get("mlflow_run_id"),
-            lineage.get("data_sha256", {}),
-            labels,
-            str(source),
-        )
+        return _load_hf_initialisation(cfg, source, str(source))
     if (source / "latest").exists():
-        from bertpipe.training.export import load_checkpoint_model, tokenizer_folder
-
-        model, state = load_checkpoint_model(str(source))
-        own = tokenizer_folder(state, None)
-        return Initialisation(
-            model.config,
-            model.state_dict(),
-            cfg.tokenizer or own,
-            state.mlflow_run_id,
-            state.data_sha256,
-            None,
-            own,
-        )
+        return _load_checkpoint_initialisation(cfg, str(source))
     raise ConfigError(
         "init_from",
         f"{source} is neither an HF BERT folder (config.json) nor a checkpoint folder (latest)",
+    )
+
+
+def _load_hf_initialisation(cfg: FinetuneConfig, source: Path, url: str) -> Initialisation:
+    """An export read from local folder ``source`` (a copy of ``url``)."""
+    from bertpipe.training.hf import load_hf_folder
+
+    model_cfg, weights = load_hf_folder(source)
+    lineage = {}
+    if (source / "bertpipe_export.json").exists():
+        lineage = json.loads((source / "bertpipe_export.json").read_text())
+    hf_config = json.loads((source / "config.json").read_text())
+    labels = None
+    if any(a != "BertForPreTraining" for a in hf_config.get("architectures", [])):
+        id2label = hf_config.get("id2label") or {}
+        labels = [id2label[k] for k in sorted(id2label, key=int)] or None
+    return Initialisation(
+        model_cfg,
+        weights,
+        cfg.tokenizer or url,
+        lineage.get("source_run_id") or lineage.get("mlflow_run_id"),
+        lineage.get("data_sha256", {}),
+        labels,
+        url,
+    )
+
+
+def _load_checkpoint_initialisation(cfg: FinetuneConfig, folder: str) -> Initialisation:
+    from bertpipe.training.export import load_checkpoint_model, tokenizer_folder
+
+    model, state = load_checkpoint_model(folder)
+    own = tokenizer_folder(state, None)
+    return Initialisation(
+        model.config,
+        model.state_dict(),
+        cfg.tokenizer or own,
+        state.mlflow_run_id,
+        state.data_sha256,
+        None,
+        own,
     )
 
 
@@ -271,7 +292,7 @@ def _resumable(cfg: FinetuneConfig, folder: Path) -> bool:
     checkpoints = cfg.checkpoint.dir or str(folder / "checkpoints")
     if cfg.checkpoint.resume == "auto":
         return ckpt.latest_tag(checkpoints) is not None
-    return (Path(checkpoints) / cfg.checkpoint.resume).is_dir()
+    return cfg.checkpoint.resume in ckpt.tags(checkpoints)
 
 
 def _build_head(data: TaskData, model_cfg: BertModelConfig, cfg: FinetuneConfig) -> BertTaskModel:
@@ -399,6 +420,7 @@ class Finetuner:
         self.cfg = cfg = dataclasses.replace(cfg, output=run_folder(cfg, info))
         self.output = Path(str(cfg.output))
         self.folder = cfg.checkpoint_dir
+        ckpt.configure(self.folder, cfg.checkpoint.local_dir, cfg.checkpoint.publish_timeout_s)
         self.faults = faults if faults is not None else Faults.from_environ(info.rank)
         self.stop = StopFlag()
         self.cadence = Cadence(
@@ -484,7 +506,10 @@ class Finetuner:
                 step = self.resume.state.global_step if self.resume else 0
                 tracking.set_tags(mlflow_tags(changes, step))
             with self.stop:
-                result = self._train(run_id)
+                try:
+                    result = self._train(run_id)
+                finally:  # checkpoint uploads in flight (object storage) end first
+                    ckpt.wait_uploads()
             if run is not None:
                 self._log_final(result, upload_model)
         if self.info.is_main:  # complete: best/ and the predictions are the run's result
@@ -589,7 +614,9 @@ class Finetuner:
             if due.deferred and info.is_main:
                 log.warning("%s: checkpoint deferred, the last steps were skipped", where)
             if due.save:
-                self._save(engine, step, loader, best, loss_sum, good=not self.guard.streak)
+                self._save(
+                    engine, step, loader, best, loss_sum, good=not self.guard.streak, wait=due.stop
+                )
             if due.stop:
                 raise PreemptedError(f"stopped by SIGTERM at {where}")
         del engine
@@ -611,7 +638,8 @@ class Finetuner:
         data position, the epoch's partial loss and the best epoch so far."""
         resume = self.resume
         assert resume is not None and resume.rank_state is not None
-        engine.load_checkpoint(self.folder, tag=resume.tag)
+        with ckpt.loadable(self.folder, resume.tag, self.info.rank, self.info.world_size) as local:
+            engine.load_checkpoint(local, tag=resume.tag)
         spec.apply_to(engine)
         ckpt.restore_rng(resume.rank_state["rng"])
         loader.load_state_dict(resume.rank_state["data"])
@@ -673,6 +701,7 @@ class Finetuner:
         loss_sum: torch.Tensor,
         *,
         good: bool,
+        wait: bool = False,
     ) -> None:
         state = ckpt.CheckpointState(
             phase="finetune",
@@ -702,6 +731,7 @@ class Finetuner:
             good=good,
             rank_extra={"loss_sum": float(loss_sum)},
             faults=self.faults,
+            wait=wait,
         )
 
     @torch.no_grad()

@@ -10,7 +10,9 @@ Layout under the checkpoint folder::
 
 Every rank writes its part, then all ranks meet at a barrier, and only then does rank 0
 rewrite ``latest`` (temporary file + rename). A job killed while saving therefore resumes
-from the previous checkpoint, never from half of one. Older checkpoints beyond ``keep_last``
+from the previous checkpoint, never from half of one. On object storage (``s3://``, ``gs://``)
+ranks write locally and upload, and ``latest`` moves once every rank's upload is on the store
+(:mod:`bertpipe.training.ckpt_store`). Older checkpoints beyond ``keep_last``
 are deleted after that, except the final checkpoint of each phase (phase 2 and exports start
 from it) and the newest good one (see :func:`save`'s ``good``). Our own state is JSON (RNG
 states base64-encoded): nothing of ours is pickled.
@@ -19,10 +21,13 @@ states base64-encoded): nothing of ours is pickled.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 import random
 import shutil
+import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +38,7 @@ import torch.distributed as dist
 
 from bertpipe import fsio
 from bertpipe.errors import BertpipeError
+from bertpipe.training import ckpt_store
 from bertpipe.training.faults import FAULT_IN_SAVE, NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
@@ -44,7 +50,10 @@ __all__ = [
     "ResumeState",
     "capture_rng",
     "check_data",
+    "configure",
+    "latest_complete_tag",
     "latest_tag",
+    "loadable",
     "prune",
     "read_state",
     "remove_all",
@@ -52,6 +61,8 @@ __all__ = [
     "resume_tag",
     "save",
     "save_and_prune",
+    "tags",
+    "wait_uploads",
 ]
 
 STATE_FILE = "bertpipe_state.json"
@@ -195,6 +206,21 @@ def _rank_file(rank: int) -> str:
     return f"bertpipe_rank{rank:05d}.json"
 
 
+def configure(folder: str, local_dir: str | None, publish_timeout_s: float | None) -> None:
+    """Settings of a checkpoint folder on object storage (``checkpoint.local_dir``,
+    ``checkpoint.publish_timeout_s``); nothing for a local folder."""
+    if ckpt_store.is_remote(folder):
+        ckpt_store.remote_store(folder, local_dir, publish_timeout_s)
+
+
+def _attempt_id() -> str:
+    """A fresh id of this save, the same on every rank (rank 0's, broadcast)."""
+    box = [uuid.uuid4().hex]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
 def save(
     engine: Any,
     folder: str,
@@ -205,19 +231,34 @@ def save(
     good: bool = True,
     rank_extra: dict[str, Any] | None = None,
     faults: Faults = NO_FAULTS,
+    keep_last: int | None = None,
+    wait: bool = False,
 ) -> None:
     """Save ``engine`` and ``state`` under ``folder/tag``; move ``latest`` once all ranks are
     done. ``good=False`` marks a checkpoint saved while steps were being skipped for
     non-finite values (on preemption or at a phase end): :func:`prune` always keeps the
     newest good one. ``rank_extra``: this rank's own loop values, saved beside its RNG
-    states and data position."""
+    states and data position.
+
+    On object storage (:mod:`bertpipe.training.ckpt_store`) each rank saves into its local
+    staging folder and uploads it in the background; rank 0 publishes ``latest`` and prunes
+    to ``keep_last`` once every rank's upload is on the store. ``wait``: return only once
+    it is published (a phase end, a SIGTERM, the end of a run)."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,
     )
 
-    local = _local_path(folder)
+    remote = ckpt_store.remote_store(folder) if ckpt_store.is_remote(folder) else None
+    if remote is not None:
+        remote.wait()  # one checkpoint in flight: the previous one is on the store first
+        local = remote.staging(rank)
+        shutil.rmtree(local / tag, ignore_errors=True)  # a leftover of a killed save
+        (local / tag).mkdir(parents=True, exist_ok=True)
+        attempt = _attempt_id()
+    else:
+        local = _local_path(folder)
     # what DeepSpeed's ds_to_universal needs to convert the checkpoint for another world size
     client_state = {
         UNIVERSAL_CHECKPOINT_INFO: {
@@ -233,12 +274,44 @@ def save(
     fsio.atomic_write_text(str(local / tag / _rank_file(rank)), json.dumps(rank_state))
     if rank == 0:
         fsio.atomic_write_text(str(local / tag / STATE_FILE), json.dumps(asdict(state), indent=1))
-    dist.barrier()
-    if rank == 0:
-        fsio.atomic_write_text(str(local / "latest"), tag)
-        _update_index(local, tag, state, good)
-    dist.barrier()
-    log.info("checkpoint %s saved in %s", tag, local)
+    if remote is None:
+        dist.barrier()
+        if rank == 0:
+            fsio.atomic_write_text(str(local / "latest"), tag)
+            _update_index(folder, tag, state, good)
+        dist.barrier()
+        log.info("checkpoint %s saved in %s", tag, local)
+        return
+    world = state.world_size
+
+    def publish() -> None:
+        assert remote is not None
+        remote.wait_complete(tag, world, attempt)
+        remote.publish_latest(tag)
+        _update_index(folder, tag, state, good)
+        if keep_last is not None:
+            prune(folder, keep_last)
+        log.info("checkpoint %s published in %s", tag, folder)
+
+    remote.upload(
+        tag,
+        rank,
+        world,
+        attempt,
+        publish=publish if rank == 0 else None,
+        background=not wait,
+        in_upload=faults.in_checkpoint_upload,
+    )
+    if wait:
+        dist.barrier()  # every rank returns once rank 0 has published
+    else:
+        log.debug("checkpoint %s saved locally, uploading to %s", tag, folder)
+
+
+def wait_uploads() -> None:
+    """Wait for this process's checkpoint uploads in flight (and, on rank 0, their publish);
+    raise the first one's error. Call before a run ends."""
+    ckpt_store.wait_all()
 
 
 def save_and_prune(
@@ -252,11 +325,13 @@ def save_and_prune(
     good: bool = True,
     rank_extra: dict[str, Any] | None = None,
     faults: Faults = NO_FAULTS,
+    wait: bool = False,
 ) -> str:
     """A run's checkpoint of its ``global_step``, as both training loops save one: refused
     if any weight is not finite (all ranks agree; ``where`` names the step in the error),
     saved and published by :func:`save`, older ones pruned (rank 0); every rank returns the
-    tag once all are done."""
+    tag once all are done (on object storage: once saved locally and, with ``wait``,
+    published)."""
     from bertpipe.training.guard import NonFiniteError, weights_finite
 
     tag = f"global_step{state.global_step}"
@@ -265,6 +340,20 @@ def save_and_prune(
             f"{where}: the weights are not finite, so {tag} was not saved; the latest "
             f"checkpoint is {latest_tag(folder) or 'none'}"
         )
+    if ckpt_store.is_remote(folder):  # published and pruned by rank 0 after the uploads
+        save(
+            engine,
+            folder,
+            tag,
+            state,
+            rank,
+            good=good,
+            rank_extra=rank_extra,
+            faults=faults,
+            keep_last=keep_last,
+            wait=wait,
+        )
+        return tag
     save(engine, folder, tag, state, rank, good=good, rank_extra=rank_extra, faults=faults)
     if rank == 0:
         prune(folder, keep_last)
@@ -273,13 +362,13 @@ def save_and_prune(
 
 
 def resume_tag(folder: str, resume: str) -> str | None:
-    """The checkpoint ``checkpoint.resume`` names: ``auto`` the latest (None if there is
-    none), ``none`` None (refused if ``folder`` holds checkpoints, which a new run would
-    mix with its own), else the tag itself."""
+    """The checkpoint ``checkpoint.resume`` names: ``auto`` the latest complete one (None if
+    there is none), ``none`` None (refused if ``folder`` holds checkpoints, which a new run
+    would mix with its own), else the tag itself."""
     from bertpipe.config import ConfigError
 
     if resume == "auto":
-        return latest_tag(folder)
+        return latest_complete_tag(folder)
     if resume == "none":
         if has_checkpoints(folder):
             raise ConfigError(
@@ -291,39 +380,144 @@ def resume_tag(folder: str, resume: str) -> str | None:
     return resume
 
 
+class _Folder:
+    """The small files of a checkpoint folder, local or on object storage."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.remote = ckpt_store.remote_store(folder) if ckpt_store.is_remote(folder) else None
+
+    def read_text(self, name: str) -> str | None:
+        if self.remote is not None:
+            return self.remote.read_text(name)
+        path = _local_path(self.folder) / name
+        return path.read_text() if path.exists() else None
+
+    def write_text(self, name: str, text: str) -> None:
+        if self.remote is not None:
+            self.remote.write_text(name, text)
+        else:
+            fsio.atomic_write_text(str(_local_path(self.folder) / name), text)
+
+    def tags(self) -> list[str]:
+        if self.remote is not None:
+            return self.remote.tags()
+        local = _local_path(self.folder)
+        if not local.exists():
+            return []
+        return sorted(
+            p.name for p in local.iterdir() if p.is_dir() and p.name.startswith("global_step")
+        )
+
+    def remove_tag(self, tag: str) -> None:
+        if self.remote is not None:
+            self.remote.remove_tag(tag)
+        else:
+            shutil.rmtree(_local_path(self.folder) / tag, ignore_errors=True)
+
+    def remove(self, name: str) -> None:
+        if self.remote is not None:
+            self.remote.remove(name)
+        else:
+            (_local_path(self.folder) / name).unlink(missing_ok=True)
+
+    def missing(self, tag: str) -> str:
+        """Why checkpoint ``tag`` is incomplete ('' if complete): bertpipe's state and every
+        rank's own file on a local folder; on object storage every rank's upload marker and
+        every file it lists (:meth:`RemoteCheckpoints.missing`)."""
+        if self.remote is not None:
+            why = self.remote.missing(tag)
+            if why:
+                return why
+        raw = self.read_text(f"{tag}/{STATE_FILE}")
+        if raw is None:
+            return f"{STATE_FILE} is missing"
+        if self.remote is None:
+            world = int(json.loads(raw).get("world_size", 1))
+            local = _local_path(self.folder) / tag
+            for rank in range(world):
+                if not (local / _rank_file(rank)).exists():
+                    return f"rank {rank}'s file {_rank_file(rank)} is missing"
+        return ""
+
+
 def latest_tag(folder: str) -> str | None:
-    path = _local_path(folder) / "latest"
-    return path.read_text().strip() if path.exists() else None
+    """The tag ``latest`` names (None without one)."""
+    text = _Folder(folder).read_text("latest")
+    return text.strip() if text else None
+
+
+def latest_complete_tag(folder: str) -> str | None:
+    """``latest`` if that checkpoint is complete, else (with a warning naming what is
+    missing) the newest complete one in the index; None if the folder has no ``latest``."""
+    where = _Folder(folder)
+    latest = latest_tag(folder)
+    if latest is None:
+        return None
+    tried = []
+    candidates = [latest] + [
+        e["tag"]
+        for e in sorted(_read_index(folder), key=lambda e: e["global_step"], reverse=True)
+        if e["tag"] != latest
+    ]
+    for tag in candidates:
+        why = where.missing(tag)
+        if not why:
+            if tried:
+                log.warning("resuming from %s, the newest complete checkpoint", tag)
+            return tag
+        log.warning("checkpoint %s in %s is incomplete (%s): skipped", tag, folder, why)
+        tried.append(tag)
+    raise BertpipeError(
+        f"{folder} has no complete checkpoint ({', '.join(tried)} incomplete): resume from "
+        "one with checkpoint.resume=<tag> after restoring its files, or start afresh with "
+        "another checkpoint.dir"
+    )
 
 
 def has_checkpoints(folder: str) -> bool:
-    local = _local_path(folder)
-    return local.exists() and any(
-        p.is_dir() and p.name.startswith("global_step") for p in local.iterdir()
-    )
+    return bool(_Folder(folder).tags())
+
+
+def tags(folder: str) -> list[str]:
+    """The ``global_step*`` checkpoints in ``folder`` (complete or not)."""
+    return _Folder(folder).tags()
 
 
 def read_state(folder: str, tag: str, rank: int) -> tuple[CheckpointState, dict[str, Any] | None]:
     """bertpipe's state of checkpoint ``tag`` and this rank's own part (None if absent, e.g.
     after a universal conversion to another world size)."""
-    local = _local_path(folder) / tag
-    path = local / STATE_FILE
-    if not path.exists():
+    where = _Folder(folder)
+    raw_text = where.read_text(f"{tag}/{STATE_FILE}")
+    path = fsio.join(folder, tag, STATE_FILE)
+    if raw_text is None:
         raise FileNotFoundError(
             f"{path} is missing: {tag} was not written by bertpipe or is incomplete; "
             "choose another checkpoint with checkpoint.resume=<tag>"
         )
-    raw = json.loads(path.read_text())
+    raw = json.loads(raw_text)
     if raw.get("version") != STATE_VERSION:
         raise ValueError(f"{path} has state version {raw.get('version')}, expected {STATE_VERSION}")
     state = CheckpointState(**raw)
-    rank_path = local / _rank_file(rank)
-    rank_state = json.loads(rank_path.read_text()) if rank_path.exists() else None
+    rank_text = where.read_text(f"{tag}/{_rank_file(rank)}")
+    rank_state = json.loads(rank_text) if rank_text is not None else None
     return state, rank_state
 
 
-def _update_index(local: Path, tag: str, state: CheckpointState, good: bool = True) -> None:
-    index = _read_index(local)
+@contextlib.contextmanager
+def loadable(folder: str, tag: str, rank: int | None, world_size: int | None) -> Iterator[str]:
+    """A local folder from which DeepSpeed loads checkpoint ``tag`` on rank ``rank``: the
+    folder itself, or on object storage a download of what that rank needs (all of it with
+    ``rank`` None: an export), removed after the block."""
+    if not ckpt_store.is_remote(folder):
+        yield str(_local_path(folder))
+        return
+    with ckpt_store.remote_store(folder).fetched(tag, rank, world_size) as local:
+        yield local
+
+
+def _update_index(folder: str, tag: str, state: CheckpointState, good: bool = True) -> None:
+    index = _read_index(folder)
     index = [e for e in index if e["tag"] != tag]
     index.append(
         {
@@ -335,20 +529,20 @@ def _update_index(local: Path, tag: str, state: CheckpointState, good: bool = Tr
         }
     )
     index.sort(key=lambda e: e["global_step"])
-    fsio.atomic_write_text(str(local / INDEX_FILE), json.dumps(index, indent=1))
+    _Folder(folder).write_text(INDEX_FILE, json.dumps(index, indent=1))
 
 
-def _read_index(local: Path) -> list[dict[str, Any]]:
-    path = local / INDEX_FILE
-    return json.loads(path.read_text()) if path.exists() else []
+def _read_index(folder: str) -> list[dict[str, Any]]:
+    text = _Folder(folder).read_text(INDEX_FILE)
+    return json.loads(text) if text else []
 
 
 def prune(folder: str, keep_last: int) -> list[str]:
     """Delete all but the newest ``keep_last`` checkpoints, keeping every phase end, ``latest``
     and the newest good checkpoint (one not saved during a run of skipped non-finite steps;
     entries without the mark count as good) (rank 0)."""
-    local = _local_path(folder)
-    index = _read_index(local)
+    where = _Folder(folder)
+    index = _read_index(folder)
     latest = latest_tag(folder)
     good = [e for e in index if e.get("good", True)]
     last_good = max(good, key=lambda e: e["global_step"])["tag"] if good else None
@@ -357,18 +551,20 @@ def prune(folder: str, keep_last: int) -> list[str]:
     removed = []
     for entry in ordinary:
         if entry["tag"] not in newest:
-            shutil.rmtree(local / entry["tag"], ignore_errors=True)
             removed.append(entry["tag"])
     if removed:
+        # the index first: a crash in between leaves folders no index names, never the reverse
         remaining = [e for e in index if e["tag"] not in removed]
-        fsio.atomic_write_text(str(local / INDEX_FILE), json.dumps(remaining, indent=1))
+        where.write_text(INDEX_FILE, json.dumps(remaining, indent=1))
+        for tag in removed:
+            where.remove_tag(tag)
         log.info("removed old checkpoints %s", ", ".join(removed))
     return removed
 
 
 def phase_end_tag(folder: str, phase: str) -> str | None:
     """The final checkpoint of ``phase`` (from the index), if it was saved."""
-    for entry in reversed(_read_index(_local_path(folder))):
+    for entry in reversed(_read_index(folder)):
         if entry["phase"] == phase and entry["phase_end"]:
             return str(entry["tag"])
     return None
@@ -378,28 +574,22 @@ def remove_all(folder: str) -> list[str]:
     """Delete every checkpoint bertpipe wrote in ``folder`` (its ``global_step*`` folders,
     ``latest`` and the index), and the folder if that leaves it empty (rank 0). For runs
     whose product is elsewhere once they complete (fine-tuning keeps ``best/``)."""
-    local = _local_path(folder)
-    if not local.is_dir():
-        return []
-    removed = []
-    for path in sorted(local.iterdir()):
-        if path.is_dir() and path.name.startswith("global_step"):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
+    where = _Folder(folder)
+    if where.remote is not None:
+        where.remote.wait()
+    removed = where.tags()
+    for tag in removed:
+        where.remove_tag(tag)
     for name in ("latest", INDEX_FILE):
-        (local / name).unlink(missing_ok=True)
-    if not any(local.iterdir()):
-        local.rmdir()
+        where.remove(name)
+    if where.remote is None:
+        local = _local_path(folder)
+        if local.is_dir() and not any(local.iterdir()):
+            local.rmdir()
     return removed
 
 
 def _local_path(folder: str) -> Path:
-    """DeepSpeed saves to a local (or mounted shared) filesystem path."""
-    fs, path = fsio.to_fs(folder)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    if protocol not in ("file", "local"):
-        raise ValueError(
-            f"checkpoint folder {folder} must be a local or mounted path (DeepSpeed writes "
-            "checkpoints with torch.save); sync it to object storage separately"
-        )
+    """A local (or mounted shared) checkpoint folder as a path."""
+    _, path = fsio.to_fs(folder)
     return Path(path)

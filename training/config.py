@@ -263,7 +263,17 @@ class CheckpointConfig:
     """DeepSpeed checkpoints: the engine's own layout plus bertpipe's client state."""
 
     dir: str | None = None
-    """Checkpoint folder; null: ``<output>/checkpoints``."""
+    """Checkpoint folder; null: ``<output>/checkpoints``. A local or mounted folder, or object
+    storage (``s3://bucket/run/checkpoints``, ``gs://…``): each rank then writes into
+    ``local_dir`` and uploads in the background; ``latest`` moves once every rank's upload
+    is on the store."""
+    local_dir: str | None = None
+    """With ``dir`` on object storage: the local folder each rank writes a checkpoint into
+    before uploading it (room for one checkpoint of the rank's share; a node-local disk, a k8s
+    ``emptyDir``). null: ``<system temp>/bertpipe-checkpoints/<hash of dir>``."""
+    publish_timeout_s: float = 1800.0
+    """With ``dir`` on object storage: how long rank 0 waits for every rank's upload of a
+    checkpoint before giving up on publishing it (the run then fails with exit 75)."""
     every_steps: int = 500
     """Save every N optimizer steps (0: only at phase ends and on SIGTERM)."""
     keep_last: int = 3
@@ -296,6 +306,10 @@ class CheckpointConfig:
             raise ConfigError("keep_last", "must be at least 1")
         if self.preemption_check_steps < 1:
             raise ConfigError("preemption_check_steps", "must be at least 1")
+        if self.publish_timeout_s <= 0:
+            raise ConfigError("publish_timeout_s", "must be positive")
+        if self.local_dir is not None and "://" in self.local_dir:
+            raise ConfigError("local_dir", f"{self.local_dir} must be a local folder")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bertpipe import fsio, tracking
+from bertpipe import fsio, staging, tracking
 from bertpipe.errors import BertpipeError
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.model import BertForPreTraining, BertModelConfig
@@ -75,6 +75,13 @@ def _weights_only_everywhere() -> Iterator[None]:
 
 
 def _module_weights(folder: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
+    """The fp32 module weights of checkpoint ``tag`` (gathered from ZeRO's partitions; a
+    checkpoint on object storage is downloaded for this)."""
+    with ckpt.loadable(folder, tag, None, None) as local:
+        return _local_module_weights(local, tag, zero_stage)
+
+
+def _local_module_weights(folder: str, tag: str, zero_stage: int) -> dict[str, torch.Tensor]:
     path = Path(folder) / tag
     if zero_stage > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -149,8 +156,7 @@ def export_checkpoint(
     error, if that store or run cannot be reached). ``register``: also register the model
     under this name in the MLflow model registry (any MLflow failure is then an error naming
     ``uri_key``)."""
-    from bertpipe.preprocessing.tokenizer import load_tokenizer, tokenizer_checksum
-    from bertpipe.training.hf import save_hf_folder
+    from bertpipe.preprocessing.tokenizer import load_tokenizer
 
     model, state = load_checkpoint_model(folder, tag)
     source = tokenizer_folder(state, tokenizer)
@@ -166,8 +172,36 @@ def export_checkpoint(
         if fsio.exists(url):
             with fsio.open_url(url, "rb") as f:
                 extra[name] = f.read()
-    save_hf_folder(model, out, extra_files=extra)
     tag = tag or ckpt.latest_tag(folder)
+    with staging.writable_copy(out) as target:  # object storage: uploaded at the end
+        info = _write_export(model, state, folder, str(tag), source, tok, target, extra)
+        if track or register:
+            info_path = target / EXPORT_INFO
+            recorded = _record_in_mlflow(
+                model, state, out, str(tag), tracking_uri, register, uri_key, info_path
+            )
+            if recorded:
+                info.update(recorded)
+                info_path.write_text(json.dumps(info, indent=2) + "\n")
+    log.info("exported %s to %s", info["checkpoint"], out)
+    return info
+
+
+def _write_export(
+    model: BertForPreTraining,
+    state: ckpt.CheckpointState,
+    folder: str,
+    tag: str,
+    source: str,
+    tok: Any,
+    target: Path,
+    extra: dict[str, bytes],
+) -> dict[str, Any]:
+    """The HF folder and its ``bertpipe_export.json`` in local folder ``target``."""
+    from bertpipe.preprocessing.tokenizer import tokenizer_checksum
+    from bertpipe.training.hf import save_hf_folder
+
+    save_hf_folder(model, target, extra_files=extra)
     info: dict[str, Any] = {
         "checkpoint": f"{folder}/{tag}",
         "global_step": state.global_step,
@@ -178,16 +212,7 @@ def export_checkpoint(
         "mlflow_run_id": state.mlflow_run_id,  # the older name of source_run_id
         "data_sha256": state.data_sha256,
     }
-    info_path = Path(out) / EXPORT_INFO
-    info_path.write_text(json.dumps(info, indent=2) + "\n")
-    log.info("exported %s to %s", info["checkpoint"], out)
-    if track or register:
-        recorded = _record_in_mlflow(
-            model, state, out, str(tag), tracking_uri, register, uri_key, info_path
-        )
-        if recorded:
-            info.update(recorded)
-            info_path.write_text(json.dumps(info, indent=2) + "\n")
+    (target / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n")
     return info
 
 
@@ -255,7 +280,8 @@ def _record_in_mlflow(
         added["registered_model"] = f"{register}/{version}"
     if run_id is not None:
         client = mlflow.MlflowClient()
-        client.set_tag(run_id, TAG_EXPORT_PATH, str(Path(out).resolve()))
+        where = str(out) if staging.is_remote(out) else str(Path(out).resolve())
+        client.set_tag(run_id, TAG_EXPORT_PATH, where)
         if register:
             client.set_tag(run_id, "bertpipe.registered_model", added["registered_model"])
             info = json.loads(info_path.read_text())

@@ -20,7 +20,9 @@ else:
 ``BERTPIPE_FAULT_IN_SAVE``
     ``kill:TAG`` kills the process (SIGKILL) and ``enospc:TAG`` raises "No space left on
     device" after DeepSpeed wrote checkpoint TAG's files and before bertpipe's state and
-    ``latest``: a crash or a full disk in the middle of a save.
+    ``latest``: a crash or a full disk in the middle of a save. On object storage,
+    ``kill-upload:TAG`` (SIGKILL) and ``term-upload:TAG`` (SIGTERM) hit the process after
+    the first file of TAG's upload reached the store: a crash or a preemption mid-upload.
 
 Real runs never set these; a run that finds one logs a warning naming it.
 """
@@ -67,7 +69,8 @@ class Faults:
     raise_step: int | None = None
     """Raise ``RuntimeError`` before this step."""
     in_save: tuple[str, str] | None = None
-    """``(kind, tag)``: ``kill`` or ``enospc`` in the middle of saving checkpoint ``tag``."""
+    """``(kind, tag)``: ``kill`` or ``enospc`` in the middle of saving checkpoint ``tag``,
+    ``kill-upload`` or ``term-upload`` in the middle of uploading it."""
     signal_step: tuple[int, int] | None = None
     """``(signal number, step)``: the process signals itself before that step."""
     source: dict[str, str] = field(default_factory=dict, compare=False)
@@ -78,7 +81,8 @@ class Faults:
         """The faults the environment asks of rank ``rank``."""
         source = {k: v for k, v in environ.items() if k.startswith("BERTPIPE_FAULT_")}
         kind, _, tag = environ.get(FAULT_IN_SAVE, "").partition(":")
-        in_save = (kind, tag) if kind in ("kill", "enospc") and tag else None
+        kinds = ("kill", "enospc", "kill-upload", "term-upload")
+        in_save = (kind, tag) if kind in kinds and tag else None
         only = environ.get(FAULT_RANK)
         if only is not None and int(only) != rank:
             faults = cls(in_save=in_save, source=source)
@@ -136,11 +140,20 @@ class Faults:
     def in_checkpoint_save(self, tag: str) -> None:
         """Called after DeepSpeed wrote ``tag``'s files, before bertpipe's state and
         ``latest``."""
-        if self.in_save is None or self.in_save[1] != tag:
+        if self.in_save is None or self.in_save[1] != tag or "upload" in self.in_save[0]:
             return
         if self.in_save[0] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tag)
+
+    def in_checkpoint_upload(self, tag: str) -> None:
+        """Called (in the upload thread) once the first file of ``tag`` is on the store."""
+        if self.in_save is None or self.in_save[1] != tag:
+            return
+        if self.in_save[0] == "kill-upload":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.in_save[0] == "term-upload":
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 NO_FAULTS = Faults()

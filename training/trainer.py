@@ -88,6 +88,7 @@ class Trainer:
         self.data = [read_phase_data(p, f"phases[{i}]", retry) for i, p in enumerate(cfg.phases)]
         self.model_cfg = model_config(cfg, self.data)
         self.folder = cfg.checkpoint_dir
+        ckpt.configure(self.folder, cfg.checkpoint.local_dir, cfg.checkpoint.publish_timeout_s)
         self.faults = faults if faults is not None else Faults.from_environ(info.rank)
         self.cadence = Cadence(
             log_every=cfg.log_every_steps,
@@ -191,7 +192,7 @@ class Trainer:
         changes = self._continue_from(resume) if resume is not None else {}
         last = len(self.cfg.phases) - 1 if self.cfg.only_phase is None else first
         summary: dict[str, Any] = {}
-        with self.stop, self._tracking(changes):
+        with self.stop, self._tracking(changes), _uploads_finished():
             for index in range(first, last + 1):
                 summary[self.cfg.phases[index].name], resume = self._run_phase(index, resume)
         return summary
@@ -291,7 +292,9 @@ class Trainer:
                         self.guard.streak,
                     )
                 if due.save:
-                    resume = self._save(engine, index, done, ended, good=not self.guard.streak)
+                    resume = self._save(
+                        engine, index, done, ended, good=not self.guard.streak, wait=due.stop
+                    )
                 if due.stop:
                     raise PreemptedError(
                         f"stopped by SIGTERM at {phase.name} step {done.phase_step}"
@@ -319,7 +322,8 @@ class Trainer:
         phase = self.cfg.phases[index]
         state = resume.state
         if state.phase_index == index and not self._complete(state):
-            engine.load_checkpoint(self.folder, tag=resume.tag)
+            with ckpt.loadable(self.folder, resume.tag, self.info.rank, self.world) as local:
+                engine.load_checkpoint(local, tag=resume.tag)
             spec.apply_to(engine)  # this config's rates and schedule (changed at resume?)
             if resume.same_world(self.world):
                 assert resume.rank_state is not None
@@ -338,13 +342,14 @@ class Trainer:
             return state.phase_step, data
         # a new phase from the previous phase's final checkpoint
         keep = phase.optimizer_state == "keep"
-        engine.load_checkpoint(
-            self.folder,
-            tag=resume.tag,
-            load_optimizer_states=keep,
-            load_lr_scheduler_states=False,
-            load_module_only=not keep,
-        )
+        with ckpt.loadable(self.folder, resume.tag, self.info.rank, self.world) as local:
+            engine.load_checkpoint(
+                local,
+                tag=resume.tag,
+                load_optimizer_states=keep,
+                load_lr_scheduler_states=False,
+                load_module_only=not keep,
+            )
         spec.apply_to(engine)  # the phase's own peak rate, schedule from its first step
         reset = keep and self.cfg.optimizer.reset_step_per_phase
         if reset:  # NVIDIA's phase 2: bias correction restarts on the kept moments
@@ -359,8 +364,17 @@ class Trainer:
         return 0, None
 
     def _save(
-        self, engine: Any, index: int, at: _Position, ended: bool, *, good: bool = True
+        self,
+        engine: Any,
+        index: int,
+        at: _Position,
+        ended: bool,
+        *,
+        good: bool = True,
+        wait: bool = False,
     ) -> ckpt.ResumeState:
+        """Checkpoint the step ``at``; on object storage the upload goes on in the background
+        unless ``wait`` or the phase ``ended`` (the next phase loads it)."""
         phase = self.cfg.phases[index]
         state = ckpt.CheckpointState(
             phase=phase.name,
@@ -388,6 +402,7 @@ class Trainer:
             where=f"{phase.name} step {at.phase_step}",
             good=good,
             faults=self.faults,
+            wait=wait or ended,
         )
         return ckpt.ResumeState(tag, state, None)
 
@@ -418,7 +433,7 @@ class Trainer:
             if self.guard.streak or not weights_finite(engine, collective=False):
                 log.error("%s: the state is not finite: no checkpoint after the error", phase.name)
                 return
-            self._save(engine, index, at, at.phase_step >= phase.max_steps)
+            self._save(engine, index, at, at.phase_step >= phase.max_steps, wait=True)
             log.error("%s: saved %s after an error at step %d", phase.name, tag, at.phase_step + 1)
         except Exception:
             log.exception("%s: could not save a checkpoint after the error", phase.name)
@@ -538,6 +553,22 @@ class Trainer:
                     {f"eval/{k}": v for k, v in result.items()}, step=self.global_step
                 )
         return result
+
+
+@contextlib.contextmanager
+def _uploads_finished() -> Iterator[None]:
+    """Checkpoint uploads still in flight (object storage) are finished and published before
+    the run returns; after an error too, so that an error in a step loses no checkpoint
+    already saved (an upload's own failure then is logged, the first error propagates)."""
+    try:
+        yield
+    except BaseException:
+        try:
+            ckpt.wait_uploads()
+        except Exception as exc:
+            log.error("a checkpoint upload failed too: %s", exc)
+        raise
+    ckpt.wait_uploads()
 
 
 def _later_phase(key: str, index: int) -> bool:

@@ -1,0 +1,137 @@
+"""Checkpoints on a real S3 server (``checkpoint.dir=s3://…``), shards streamed from it too:
+a 2-rank run killed in the middle of an upload resumes from the previous complete checkpoint
+bit for bit; SIGTERM in the middle of an upload publishes it and the final one and exits
+143; a checkpoint missing one rank's file is skipped with a log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bertpipe.config import to_yaml
+from bertpipe.training import checkpoint as ckpt
+from tests.training.test_pretrain import _env, _history
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BIN = Path(sys.executable).parent
+
+
+def _upload_shards(s3, shards: Path) -> str:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    url = f"{s3.bucket}/shards"
+    fs.put(str(shards / "seq64"), f"{url}/seq64".removeprefix("s3://"), recursive=True)
+    return url
+
+
+def _config(tmp: Path, shards: str, checkpoints: str, steps: int, **extra: object) -> Path:
+    from bertpipe.config import load_config
+    from bertpipe.training.config import PretrainConfig
+
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    items = [
+        f"output={tmp / 'run'}",
+        "model.preset=tiny",
+        "model.max_position_embeddings=128",
+        f"phases=[{{name: phase1, data: {shards}/seq64, max_steps: {steps}, micro_batch_size: 8,"
+        " global_batch_size: 16, learning_rate: 2.0e-3, warmup: 0.25}]",
+        "precision=fp32",
+        "zero.stage=1",
+        "data.num_workers=0",
+        "log_every_steps=1",
+        "eval.max_batches=1",
+        f"checkpoint.dir={checkpoints}",
+        f"checkpoint.local_dir={tmp / 'staging'}",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=2",
+        f"tracking.uri={uri}",
+        "tracking.experiment=s3-tests",
+    ]
+    items += [f"{k.replace('__', '.')}={v}" for k, v in extra.items()]
+    path = tmp / "cfg.yaml"
+    path.write_text(to_yaml(load_config(PretrainConfig, None, items)))
+    return path
+
+
+def _run(cmd: list[str], s3, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {**_env(), **s3.env}
+    if fault:
+        env[ckpt.FAULT_IN_SAVE] = fault
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _losses(uri: str, run_id: str) -> dict[int, list[float]]:
+    by_step: dict[int, list[float]] = {}
+    for step, value in _history(uri, run_id, "train/loss"):
+        by_step.setdefault(step, []).append(value)
+    return by_step
+
+
+def test_two_ranks_killed_mid_upload_resume_exactly(
+    s3, pretrain_shards: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    shards = _upload_shards(s3, pretrain_shards)
+    folder = f"{s3.bucket}/run/checkpoints"
+    cfg = _config(tmp_path, shards, folder, steps=12)
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29661",
+           str(BIN / "bertpipe"), "pretrain", "--config", str(cfg)]  # fmt: skip
+    killed = _run(cmd, s3, fault="kill-upload:global_step8")
+    assert killed.returncode != 0, killed.stdout[-3000:]
+    assert ckpt.latest_tag(folder) == "global_step4"
+    assert "global_step8" in ckpt.tags(folder)  # part of it reached the store
+    assert ckpt.latest_complete_tag(folder) == "global_step4"
+
+    again = _run(cmd, s3)
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert ckpt.latest_tag(folder) == "global_step12"
+    state, _ = ckpt.read_state(folder, "global_step12", 0)
+    assert state.world_size == 2
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    by_step = _losses(uri, str(state.mlflow_run_id))
+    assert sorted(by_step) == list(range(1, 13))
+    repeated = {s: v for s, v in by_step.items() if len(v) > 1}
+    assert set(repeated) >= {5, 6, 7}, repeated  # re-run from global_step4
+    assert all(len(set(v)) == 1 for v in repeated.values()), repeated  # bit for bit
+    index = [e["tag"] for e in json.loads(ckpt._Folder(folder).read_text(ckpt.INDEX_FILE))]
+    assert index == ["global_step8", "global_step12"]  # keep_last=2, pruned on the store
+    assert ckpt.tags(folder) == ["global_step12", "global_step8"]
+
+    # one rank's file gone from the newest checkpoint: resume=auto skips it, saying why
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    victim = next(
+        p for p in fs.find(f"{folder}/global_step12") if "zero_pp_rank_1_" in p.rsplit("/", 1)[1]
+    )
+    fs.rm(victim)
+    with caplog.at_level(logging.WARNING):
+        assert ckpt.resume_tag(folder, "auto") == "global_step8"
+    assert "checkpoint global_step12" in caplog.text and "is incomplete" in caplog.text
+    assert "zero_pp_rank_1_" in caplog.text
+
+
+def test_sigterm_mid_upload_publishes_and_exits_143(
+    s3, pretrain_shards: Path, tmp_path: Path
+) -> None:
+    shards = _upload_shards(s3, pretrain_shards)
+    folder = f"{s3.bucket}/ft/checkpoints"
+    cfg = _config(tmp_path, shards, folder, steps=12, checkpoint__preemption_check_steps=1)
+    cmd = [sys.executable, "-m", "bertpipe.app.cli", "pretrain", "--config", str(cfg)]
+    stopped = _run(cmd, s3, fault="term-upload:global_step4")
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    latest = ckpt.latest_tag(folder)
+    assert latest is not None and latest != "global_step4"  # the final save, after step 4
+    assert ckpt.latest_complete_tag(folder) == latest
+    index = [e["tag"] for e in json.loads(ckpt._Folder(folder).read_text(ckpt.INDEX_FILE))]
+    assert index == ["global_step4", latest]  # the upload in flight was published too
+    state, _ = ckpt.read_state(folder, latest, 0)
+    assert 4 < state.global_step < 12
+    assert not list((tmp_path / "staging").rglob("*.pt"))  # uploaded, then cleared locally
