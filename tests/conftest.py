@@ -156,8 +156,12 @@ class MlflowServer:
     ``<folder>/server-artifacts``) on a fixed free port, which a test can stop and start
     again on the same port and store."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(
+        self, folder: Path, artifacts: str | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.folder = folder
+        self.artifacts = artifacts or str(folder / "server-artifacts")
+        self.env = env
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -176,12 +180,13 @@ class MlflowServer:
                 "--backend-store-uri",
                 f"sqlite:///{self.folder / 'server.db'}",
                 "--artifacts-destination",
-                str(self.folder / "server-artifacts"),
+                self.artifacts,
                 "--workers",
                 "1",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=self.env,
             start_new_session=True,  # its own process group: stop() ends its workers too
         )
         deadline = time.monotonic() + 180

@@ -1,7 +1,8 @@
 """infra/: the cluster files parse, their scripts are valid, and they cannot drift from the CLI.
 
 Fast checks read the files: YAML parses, Kubernetes objects are complete and consistent with
-each other, scripts pass ``bash -n`` and are executable, every ``bertpipe <command>`` they run
+each other (and with the object-storage component rendered onto them), scripts pass
+``bash -n`` and are executable, every ``bertpipe <command>`` they run
 exists and every option they pass is accepted by the real parser, images pin the versions the
 project is tested with. The ``integration`` tests run the scripts: bertpipe-supervise under
 DeepSpeed's real launcher (a SIGTERM reaches the training processes, not the launcher), and
@@ -32,6 +33,7 @@ from bertpipe.app.cli import COMMANDS, build_parser
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
 K8S = INFRA / "k8s"
+OBJECT_STORAGE = K8S / "object-storage"  # the kustomize Component: everything on S3, no PVC
 BIN = INFRA / "bin"
 VENV_BIN = Path(sys.executable).parent
 
@@ -72,6 +74,10 @@ def _generator_files(kustomization: dict[str, Any]) -> list[str]:
     return out
 
 
+def _patch_files(kustomization: dict[str, Any]) -> list[str]:
+    return [p["path"] for p in kustomization.get("patches", []) if "path" in p]
+
+
 def _k8s_objects() -> list[tuple[Path, dict[str, Any]]]:
     out = []
     for kust_path in _kustomizations():
@@ -105,9 +111,9 @@ def test_kustomizations_list_existing_files_and_cover_every_manifest() -> None:
     assert _kustomizations(), "no kustomization.yaml under infra/k8s"
     for kust_path in _kustomizations():
         kust = yaml.safe_load(kust_path.read_text())
-        assert kust["kind"] == "Kustomization"
+        assert kust["kind"] in ("Kustomization", "Component"), kust_path
         referenced.add(kust_path)
-        for name in [*kust.get("resources", []), *_generator_files(kust)]:
+        for name in [*kust.get("resources", []), *_generator_files(kust), *_patch_files(kust)]:
             path = kust_path.parent / name
             assert path.is_file(), f"{kust_path} lists {name}, which does not exist"
             referenced.add(path)
@@ -132,6 +138,8 @@ def test_k8s_objects_are_complete() -> None:
 )
 def test_kustomize_builds_offline() -> None:
     for kust_path in _kustomizations():
+        if yaml.safe_load(kust_path.read_text())["kind"] == "Component":
+            continue  # built with its base: test_object_storage_component_renders_...
         proc = subprocess.run(
             ["kubectl", "kustomize", str(kust_path.parent)], capture_output=True, text=True
         )
@@ -222,6 +230,129 @@ def test_k8s_args_hold_no_kubernetes_variable_references() -> None:
             for text in [*container.get("command", []), *container.get("args", [])]:
                 found = re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", str(text))
                 assert not found, f"{path}: $({found[0]}) would be expanded by Kubernetes"
+
+
+# --------------------------------------------------------------------------- object storage
+
+_CREDENTIAL = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|CREDENTIALS", re.IGNORECASE)
+
+
+def _render_with_object_storage(tmp_path: Path) -> list[dict[str, Any]]:
+    """``kubectl kustomize`` of infra/k8s with the object-storage component, included the way
+    a site folder beside the checkout includes it (kustomize paths must be relative)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    kust = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S, site)],
+        "components": [os.path.relpath(OBJECT_STORAGE, site)],
+    }
+    (site / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+    proc = subprocess.run(["kubectl", "kustomize", str(site)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def test_object_storage_config_is_the_k8s_config_with_every_path_on_s3() -> None:
+    from bertpipe.config import load_config, to_dict
+    from bertpipe.training.config import PretrainConfig
+
+    env = _container_env(_job()["spec"]["template"]["spec"]["containers"][0])
+    cfg = load_config(PretrainConfig, str(OBJECT_STORAGE / "config" / "pretrain.yaml"))
+    cfg.check_world(int(env["NUM_NODES"]) * int(env["GPUS_PER_NODE"]))
+    assert cfg.output.startswith("s3://")
+    assert cfg.checkpoint.dir is None or cfg.checkpoint.dir.startswith("s3://")
+    assert all(phase.data.startswith("s3://") for phase in cfg.phases)
+    ours = to_dict(cfg)
+    theirs = to_dict(load_config(PretrainConfig, str(K8S / "config" / "pretrain.yaml")))
+    for d in (ours, theirs):
+        d.pop("output")
+        d["checkpoint"].pop("dir")
+        for phase in d["phases"]:
+            phase.pop("data")
+    assert ours == theirs, (
+        "infra/k8s/object-storage/config/pretrain.yaml differs from infra/k8s/config/"
+        "pretrain.yaml beyond its paths: update the object-storage copy"
+    )
+
+
+def test_no_credentials_in_manifests_only_secret_references() -> None:
+    """Keys and passwords come from Secrets (envFrom/secretKeyRef), never as literal values in
+    a manifest, a patch or a generated ConfigMap."""
+    checked = 0
+    for path in K8S.rglob("*.yaml"):
+        for doc in _load_all(path):
+            if doc.get("kind") in ("Kustomization", "Component"):
+                for gen in doc.get("configMapGenerator", []):
+                    for literal in gen.get("literals", []):
+                        key = literal.split("=", 1)[0]
+                        assert not _CREDENTIAL.search(key), f"{path}: {key} in a ConfigMap"
+                        checked += 1
+                continue
+            pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+            for c in pod.get("containers", []):
+                for e in c.get("env", []):
+                    if _CREDENTIAL.search(e["name"]):
+                        assert "value" not in e, f"{path}: {e['name']} has a literal value"
+                    checked += 1
+    assert checked >= 15  # the scan does see the env lists and literals
+    # the component requires the store's secret (a pod without it does not start)
+    patch = yaml.safe_load((OBJECT_STORAGE / "job-patch.yaml").read_text())
+    (container,) = patch["spec"]["template"]["spec"]["containers"]
+    secrets = [r["secretRef"] for r in container["envFrom"] if "secretRef" in r]
+    assert secrets == [{"name": "bertpipe-s3"}]
+    # the MLflow server keeps nothing on a volume: runs in PostgreSQL, artifacts on S3
+    pod = _object("Deployment", "bertpipe-mlflow")["spec"]["template"]["spec"]
+    assert not [v for v in pod.get("volumes", []) if "persistentVolumeClaim" in v]
+    assert {"secretRef": {"name": "bertpipe-mlflow"}} in pod["containers"][0]["envFrom"]
+
+
+@pytest.mark.skipif(
+    subprocess.run(["which", "kubectl"], capture_output=True).returncode != 0,
+    reason="kubectl is not installed",
+)
+def test_object_storage_component_renders_a_job_without_a_shared_volume(tmp_path: Path) -> None:
+    objects = _render_with_object_storage(tmp_path)
+    assert "PersistentVolumeClaim" not in {d["kind"] for d in objects}
+    (job,) = [d for d in objects if d["kind"] == "Job"]
+    configmaps = {d["metadata"]["name"]: d for d in objects if d["kind"] == "ConfigMap"}
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert not [v for v in volumes.values() if "persistentVolumeClaim" in v]
+    env = _container_env(container)
+    # each pod stages its ranks' checkpoints on a local emptyDir of bounded, requested size
+    staging = env["BERTPIPE_CHECKPOINT_LOCAL_DIR"]
+    (mount,) = [
+        m for m in container["volumeMounts"] if staging.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    local = volumes[mount["name"]]["emptyDir"]
+    assert local.get("medium") != "Memory" and local["sizeLimit"]
+    assert container["resources"]["requests"]["ephemeral-storage"] == local["sizeLimit"]
+    assert env["TORCH_EXTENSIONS_DIR"].startswith(mount["mountPath"])
+    script = container["args"][0]
+    assert '"checkpoint.local_dir=$BERTPIPE_CHECKPOINT_LOCAL_DIR"' in script
+    assert 'pretrain --config "$CONFIG" "${STAGING_ARGS[@]}"' in script
+    # credentials from the secret (required); endpoint and region from the generated ConfigMap
+    refs = container["envFrom"]
+    assert [r["secretRef"] for r in refs if "secretRef" in r] == [{"name": "bertpipe-s3"}]
+    (store,) = [r["configMapRef"]["name"] for r in refs if "configMapRef" in r]
+    assert "AWS_DEFAULT_REGION" in configmaps[store]["data"]
+    # the mounted config is the object-storage one
+    config = configmaps[volumes["config"]["configMap"]["name"]]["data"]["pretrain.yaml"]
+    assert config == (OBJECT_STORAGE / "config" / "pretrain.yaml").read_text()
+    # time after SIGTERM for the upload in flight and the final checkpoint's upload
+    assert pod["terminationGracePeriodSeconds"] >= 600
+    # everything else is the base Job: the same script, world, failure policy and MLflow login
+    base = _job()
+    (base_container,) = base["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == base_container["args"]
+    assert job["spec"]["podFailurePolicy"] == base["spec"]["podFailurePolicy"]
+    assert job["spec"]["completions"] == base["spec"]["completions"]
+    assert _container_env(base_container)["BERTPIPE_CHECKPOINT_LOCAL_DIR"] == ""
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "NUM_NODES"):
+        assert name in env
 
 
 # --------------------------------------------------------------------------- shell
@@ -484,6 +615,14 @@ def test_dockerfile_installs_cuda_torch_before_the_project_with_constraints() ->
     spec = re.search(r"^TORCH_SPEC \?= torch==(\S+)", makefile, re.MULTILINE)
     assert spec and _arg(path, "TORCH_VERSION") == spec.group(1)
     assert "devel" in _arg(path, "CUDA_IMAGE")  # nvcc for DeepSpeed's just-in-time ops
+    # the project's extras, s3 among them (s3:// shards, checkpoints, exports), are real ones
+    import tomllib
+
+    extras = re.search(r'"\.\[([\w,]+)\]"', path.read_text())
+    assert extras, "the image does not install the project with its extras"
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "s3" in extras.group(1).split(",")
+    assert set(extras.group(1).split(",")) <= declared["optional-dependencies"].keys()
 
 
 def test_images_pin_the_tested_versions() -> None:
@@ -585,7 +724,8 @@ def _images_in_infra() -> list[tuple[str, str]]:
                     out.append((f"{path.name}:{name}", _resolve_defaults(service["image"])))
             pod = doc.get("spec", {}).get("template", {}).get("spec", {}) if "kind" in doc else {}
             for c in [*pod.get("containers", []), *pod.get("initContainers", [])]:
-                out.append((f"{path.relative_to(ROOT)}:{c['name']}", c["image"]))
+                if "image" in c or "patch" not in path.name:  # a patch may leave the image be
+                    out.append((f"{path.relative_to(ROOT)}:{c['name']}", c["image"]))
             for override in doc.get("images", []) if doc.get("kind") == "Kustomization" else []:
                 name = override.get("newName", override["name"])
                 out.append((f"{path.relative_to(ROOT)}:images", f"{name}:{override['newTag']}"))
@@ -859,6 +999,27 @@ def test_resume_args_switch_to_auto_after_the_first_new_checkpoint(tmp_path: Pat
 
 
 @pytest.mark.integration
+def test_resume_args_read_checkpoints_on_object_storage(s3: Any) -> None:
+    """The same decision with the checkpoints on S3 (a real S3 server: endpoint and keys in
+    the environment, as for MinIO), read through fsspec, not the local filesystem."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    folder = s3.bucket.removeprefix("s3://") + "/run/checkpoints"
+    for tag, step in (("global_step6", 6), ("global_step6_universal", 6), ("global_step8", 8)):
+        fs.pipe(f"{folder}/{tag}/bertpipe_state.json", f'{{"global_step": {step}}}'.encode())
+    fs.pipe(f"{folder}/latest", b"global_step8")
+    proc = subprocess.run(
+        [str(BIN / "bertpipe-resume-args"), "global_step6_universal", f"output={s3.bucket}/run"],
+        env=_env(**s3.env),
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["checkpoint.resume=auto", "checkpoint.universal=false"]
+
+
+@pytest.mark.integration
 def test_preflight_gates_on_the_plan() -> None:
     config = str(K8S / "config" / "pretrain.yaml")
     base = [str(BIN / "bertpipe-preflight"), "--config", config, "--gpus-per-node", "8"]
@@ -1101,10 +1262,37 @@ def test_pretrain_sbatch_stops_on_an_invalid_plan_and_passes_success_through(
     proc = subprocess.run(_sbatch(config), env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "global_batch_size" in proc.stderr
     assert not list(log.glob("args-*")), "launched despite the failed plan"
-    env, log = _fake_slurm(tmp_path / "good", nodes=1, FAKE_RANK_EXIT="0")
-    proc = subprocess.run(_sbatch(config), env=env, capture_output=True, text=True)
+    # success passes through; here with the object-storage switch: output and checkpoints on
+    # the store, each node's checkpoint staging in a private node-local folder, removed after
+    local = tmp_path / "node-local"
+    local.mkdir()
+    env, log = _fake_slurm(
+        tmp_path / "good",
+        nodes=2,
+        FAKE_RANK_EXIT="0",
+        BERTPIPE_OUTPUT="s3://my-bucket/runs/r1/",
+        BERTPIPE_STAGING_DIR=str(local),
+    )
+    proc = subprocess.run(
+        _sbatch(config, "log_every_steps=5"), env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert not (log / "requeued").exists()
+    staged = set()
+    for node in (0, 1):
+        args = (log / f"args-{node}").read_text().splitlines()
+        pretrain = args[args.index("pretrain") :]
+        assert pretrain[:3] == ["pretrain", "--config", str(config)]
+        staging = pretrain[3].removeprefix("checkpoint.local_dir=")
+        assert Path(staging).parent == local and "4242" in Path(staging).name
+        assert pretrain[4:] == [
+            "output=s3://my-bucket/runs/r1/",
+            "checkpoint.dir=s3://my-bucket/runs/r1/checkpoints",
+            "log_every_steps=5",
+        ]
+        staged.add(staging)
+    assert len(staged) == 2, "the nodes shared a staging folder"
+    assert not list(local.iterdir()), "staging folders left behind"
 
 
 def test_supervise_refuses_a_pid_file_that_others_can_replace(tmp_path: Path) -> None:

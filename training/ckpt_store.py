@@ -341,12 +341,21 @@ class RemoteCheckpoints:
         when ``rank`` is None or the world size differs from the checkpoint's), downloaded
         and checked against the markers' sizes; deleted afterwards."""
         listing = self._listing(tag)
+        if not listing:
+            raise FileNotFoundError(f"{self.url}/{tag} does not exist: not a checkpoint")
         markers = self._markers(tag, listing)
-        if not markers:
-            raise FileNotFoundError(f"{self.url}/{tag} has no upload markers: not a checkpoint")
-        saved_world = {int(m["world_size"]) for m in markers.values()}.pop()
-        everything = rank is None or world_size != saved_world
         wanted: dict[str, int] = {}
+        if not markers:  # uploaded by hand (e.g. a universal conversion): all of it
+            log.warning(
+                "%s/%s has no upload markers (not uploaded by bertpipe): downloading all "
+                "%d file(s) as they are",
+                self.url,
+                tag,
+                len(listing),
+            )
+            wanted = dict(listing)
+        saved_world = {int(m["world_size"]) for m in markers.values()}
+        everything = rank is None or saved_world != {world_size}
         for marker in markers.values():
             for name, size in marker["files"].items():
                 owner = _file_rank(name)

@@ -1,0 +1,124 @@
+"""The whole flow on object storage, against a real S3 server on 127.0.0.1 and a real
+``mlflow server`` whose artifact store is a bucket of that server: tokenizer trained from an
+s3:// corpus, preprocess s3 -> s3, pre-training streaming its shards from s3 with its
+checkpoints there, export from s3 to s3 (registered), fine-tuning from the s3 export with its
+checkpoints on s3. Preprocessing runs on 2 Beam worker processes. Every stage is the real CLI in a child process that knows the store only
+through AWS_ENDPOINT_URL and its keys, as a MinIO or Ceph user's job would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import WORDS, MlflowServer, synthetic_documents, write_sentence_files
+from tests.training.test_pretrain import _env
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _bertpipe(s3, *args: str) -> dict:  # type: ignore[type-arg]
+    env = {**_env(), **s3.env, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "bertpipe.app.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, (args[0], done.stderr[-4000:])
+    print("TIMING", args[0], time.monotonic() - started)
+    assert s3.env["AWS_SECRET_ACCESS_KEY"] not in done.stdout + done.stderr
+    lines = [line for line in done.stdout.strip().splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def _task(folder: Path) -> tuple[Path, Path]:
+    rows = []
+    for i in range(48):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6)]
+        rows.append({"text": " ".join(words), "label": "even" if i % 2 == 0 else "odd"})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:16]))
+    return folder / "train.jsonl", folder / "dev.jsonl"
+
+
+def test_whole_flow_on_s3(s3, tmp_path: Path) -> None:
+    import mlflow
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    b = s3.bucket
+    write_sentence_files(tmp_path / "corpus", synthetic_documents(200, seed=1))
+    fs.put(str(tmp_path / "corpus"), f"{b}/corpus".removeprefix("s3://"), recursive=True)
+
+    server = MlflowServer(tmp_path / "mlflow", artifacts=f"{b}/mlflow", env=s3.child_env())
+    (tmp_path / "mlflow").mkdir()
+    server.start()
+    try:
+        track = [f"tracking.uri={server.uri}", "tracking.experiment=s3-flow"]
+        _bertpipe(s3, "tokenizer", "train", f"input.paths=[{b}/corpus]", f"output={b}/tokenizer",
+                  "vocab_size=400", "min_frequency=1", *track)  # fmt: skip
+        stats = _bertpipe(
+            s3, "preprocess", f"input.paths=[{b}/corpus]", f"tokenizer={b}/tokenizer",
+            f"output={b}/shards", "dupe_factor=2", "heldout_fraction=0.1", *track,
+            "phases=[{name: seq64, max_seq_length: 64, max_predictions_per_seq: 10, "
+            "num_shards: 4}]", "--", "--direct_running_mode=multi_processing",
+            "--direct_num_workers=2",
+        )  # fmt: skip
+        assert stats["seq64"]["shards"] == 4
+        assert fs.exists(f"{b}/shards/seq64/manifest.json")
+        summary = _bertpipe(
+            s3, "pretrain", f"output={b}/pretrain", "model.preset=tiny",
+            "model.max_position_embeddings=128", "precision=fp32", "zero.stage=0",
+            f"phases=[{{name: phase1, data: {b}/shards/seq64, max_steps: 6, "
+            "micro_batch_size: 8, global_batch_size: 8, learning_rate: 1.0e-3, warmup: 0.5}]",
+            "data.num_workers=0", "checkpoint.every_steps=3", "eval.max_batches=1",
+            f"checkpoint.local_dir={tmp_path / 'staging'}", *track,
+        )  # fmt: skip
+        assert summary["phase1"]["global_step"] == 6
+        checkpoints = f"{b}/pretrain/checkpoints"
+        assert fs.cat(f"{checkpoints}/latest") == b"global_step6"
+        info = _bertpipe(
+            s3, "export", checkpoints, f"{b}/export", "--register", "bert-s3",
+            "--tracking-uri", server.uri,
+        )  # fmt: skip
+        assert info["registered_model"] == "bert-s3/1"
+        assert fs.exists(f"{b}/export/model.safetensors")
+        assert fs.exists(f"{b}/export/bertpipe_export.json")
+
+        train, dev = _task(tmp_path / "task")
+        _bertpipe(
+            s3, "finetune", f"init_from={b}/export", f"output={tmp_path / 'finetune'}",
+            "task.family=table", "task.name=parity", f"task.train={train}",
+            f"task.dev=[{dev}]", "epochs=2", "batch_size=8", "learning_rate=1e-3",
+            f"checkpoint.dir={b}/finetune/checkpoints", "checkpoint.every_steps=2",
+            f"checkpoint.local_dir={tmp_path / 'ft-staging'}", *track,
+        )  # fmt: skip
+        # a complete fine-tuning run removes its checkpoints, on the store too
+        assert not fs.exists(f"{b}/finetune/checkpoints/latest")
+
+        client = mlflow.MlflowClient(tracking_uri=server.uri)
+        experiment = client.get_experiment_by_name("s3-flow")
+        runs = client.search_runs([experiment.experiment_id])
+        kinds = sorted(r.data.tags.get("bertpipe.stage", r.info.run_name) for r in runs)
+        assert len(runs) >= 4, kinds
+        finetune = next(r for r in runs if r.data.tags.get("bertpipe.task") == "parity")
+        assert finetune.data.tags["bertpipe.source_run_id"] == info["source_run_id"]
+        # the server keeps every artifact in the bucket, none on its local disk
+        stored = fs.find(f"{b}/mlflow")
+        assert any(p.endswith("bertpipe_export.json") for p in stored), stored[:20]
+        assert any(finetune.info.run_id in p for p in stored)
+        assert not (tmp_path / "mlflow" / "server-artifacts").exists()
+        for run in runs:  # no credentials in any run's parameters or tags
+            values = json.dumps({**run.data.params, **run.data.tags})
+            assert s3.env["AWS_SECRET_ACCESS_KEY"] not in values
+            assert s3.env["AWS_ACCESS_KEY_ID"] not in values
+    finally:
+        server.stop()
