@@ -8,7 +8,7 @@ command may succeed, so schedulers retry it (docs/training.md, "Exit codes").
 
 from __future__ import annotations
 
-__all__ = ["TEMPFAIL_EXIT_CODE", "BertpipeError", "TransientError"]
+__all__ = ["TEMPFAIL_EXIT_CODE", "BertpipeError", "StorageAccessError", "TransientError"]
 
 TEMPFAIL_EXIT_CODE = 75
 """``EX_TEMPFAIL`` of sysexits.h: a temporary failure, the same command may succeed later."""
@@ -23,3 +23,9 @@ class TransientError(BertpipeError):
     after the configured retries; exit status 75, the job is retried (not bad input)."""
 
     exit_code = TEMPFAIL_EXIT_CODE
+
+
+class StorageAccessError(BertpipeError):
+    """Storage that refuses bertpipe for a reason retrying cannot fix: a missing bucket,
+    credentials it does not accept, no permission, an endpoint that cannot be reached. The
+    message names the URL and the setting to check, never a secret."""

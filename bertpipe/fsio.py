@@ -3,11 +3,37 @@
 Everything that touches storage goes through fsspec, so a local path, ``memory://``,
 ``s3://`` or ``gs://`` behave the same (the cloud ones need their fsspec backend installed:
 ``s3fs``, ``gcsfs``).
+
+Object storage (S3, MinIO, Ceph) is configured as their users do: ``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` (read by botocore), anything else for s3fs
+through fsspec's config: the ``FSSPEC_S3`` environment variable (JSON, e.g.
+``FSSPEC_S3='{"config_kwargs": {"read_timeout": 60}}'``) or a file in ``~/.config/fsspec``.
+Importing this module fills in, under ``fsspec.config.conf["s3"]``, only the keys the user
+has not set (:data:`S3_DEFAULTS`, :func:`apply_storage_defaults`):
+
+- ``config_kwargs.retries = {"mode": "standard", "total_max_attempts": 8}``: botocore
+  retries throttling (``503 SlowDown``, 429), other 500/502/503/504 answers, connection
+  errors and read timeouts, 8 attempts in all, with jittered exponential backoff capped at
+  20 s (at most about 70 s of waiting per request). botocore's own default is its
+  ``legacy`` mode: 5 attempts, waits up to 1, 2, 4, 8 s. (botocore's ``max_attempts`` key counts
+  retries, not attempts; ``AWS_MAX_ATTEMPTS`` counts attempts.)
+
+What is left as it is: s3fs's ``connect_timeout`` (5 s) and ``read_timeout`` (15 s: a stalled
+answer is abandoned and retried after 15 s), and s3fs's own retry loop around every call
+(5 attempts, 0.1-0.8 s apart), which retries ``SlowDown`` once botocore gave up and, unlike
+botocore, a download cut off in the middle of the body (``open``/``get_file`` reads; not
+``cat_file`` of an object above the block size, whose parts s3fs 2026.9 reads outside that
+loop: :func:`open_url` is what the stages use). To change a default, set the key:
+``FSSPEC_S3='{"config_kwargs": {"retries": {"mode": "adaptive", "total_max_attempts": 10},
+"read_timeout": 60}}'`` (a user's ``retries`` replaces the default one whole).
+Storage that refuses bertpipe (missing bucket, credentials refused, endpoint unreachable)
+is reported in one line naming the URL (:mod:`bertpipe.storage_check`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import logging
 import os
@@ -22,17 +48,22 @@ from typing import IO, Any, TypeVar
 import fsspec
 from fsspec.core import OpenFile
 
-from bertpipe.errors import BertpipeError, TransientError
+from bertpipe.errors import BertpipeError, StorageAccessError, TransientError
+from bertpipe.storage_check import check_storage, describe, is_permanent
 
 __all__ = [
+    "S3_DEFAULTS",
     "NoMatchError",
     "RetryPolicy",
+    "StorageAccessError",
     "TransientError",
     "absolute",
+    "apply_storage_defaults",
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_writer",
     "backoff",
+    "check_storage",
     "exists",
     "expand_urls",
     "file_sha256",
@@ -41,8 +72,10 @@ __all__ = [
     "join",
     "list_files",
     "open_url",
+    "redact",
     "remove",
     "retried",
+    "storage_errors",
     "to_fs",
 ]
 
@@ -54,14 +87,56 @@ class NoMatchError(BertpipeError, FileNotFoundError):
     """A path or glob matched no file."""
 
 
+S3_DEFAULTS: dict[str, Any] = {
+    "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": 8}},
+}
+"""What bertpipe sets under ``fsspec.config.conf["s3"]`` unless the user set it (module
+docstring). Nested dicts are filled key by key; a value the user set is never replaced."""
+
+
+def _fill(target: dict[str, Any], defaults: dict[str, Any]) -> None:
+    for key, value in defaults.items():
+        if key not in target:
+            target[key] = copy.deepcopy(value)
+        elif isinstance(value, dict) and isinstance(target[key], dict) and key != "retries":
+            _fill(target[key], value)
+
+
+def apply_storage_defaults() -> None:
+    """Fill :data:`S3_DEFAULTS` into fsspec's config (``FSSPEC_S3``, config files), leaving
+    every key the user set. Idempotent; done on import and before opening a filesystem."""
+    _fill(fsspec.config.conf.setdefault("s3", {}), S3_DEFAULTS)
+
+
+apply_storage_defaults()
+
+
+@contextlib.contextmanager
+def storage_errors(url: str) -> Iterator[None]:
+    """Turn an object storage refusal raised inside the block (missing bucket, credentials
+    refused, endpoint unreachable) into a one-line :class:`StorageAccessError` naming ``url``;
+    anything else passes through."""
+    try:
+        yield
+    except BertpipeError:
+        raise
+    except Exception as exc:
+        problem = describe(exc, redact(url))
+        if problem is None:
+            raise
+        raise problem from exc
+
+
 def to_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem for ``url`` and the path inside it."""
+    apply_storage_defaults()
     fs, path = fsspec.core.url_to_fs(url)
     return fs, path
 
 
 def open_url(url: str, mode: str = "rb", compression: str | None = None, **kwargs: Any) -> OpenFile:
     """``fsspec.open`` with an explicit compression (``"infer"`` reads it off the extension)."""
+    apply_storage_defaults()
     return fsspec.open(url, mode, compression=compression, **kwargs)
 
 
@@ -80,52 +155,75 @@ def absolute(url: str) -> str:
 
 def exists(url: str) -> bool:
     fs, path = to_fs(url)
-    return bool(fs.exists(path))
+    with storage_errors(url):
+        return bool(fs.exists(path))
 
 
 def list_files(url: str, suffix: str = "") -> list[str]:
     """Files directly inside folder ``url`` whose names end with ``suffix``, sorted, as URLs."""
     fs, path = to_fs(url)
-    if not fs.exists(path):
-        return []
-    names = [p for p in fs.ls(path, detail=False) if p.endswith(suffix) and fs.isfile(p)]
+    with storage_errors(url):
+        if not fs.exists(path):
+            return []
+        names = [p for p in fs.ls(path, detail=False) if p.endswith(suffix) and fs.isfile(p)]
     return sorted(_unstrip(fs, url, p) for p in names)
 
 
 def expand_urls(patterns: Sequence[str] | str) -> list[str]:
     """Expand paths, folders (recursively) and globs into a sorted, de-duplicated file list.
 
-    Raises :class:`NoMatchError` naming the first pattern that matches no file.
+    Raises :class:`NoMatchError` naming the first pattern that matches no file, or
+    :class:`StorageAccessError` when its storage refuses access (a missing bucket, say).
     """
     if isinstance(patterns, str):
         patterns = [patterns]
     found: dict[str, None] = {}
     for pattern in patterns:
         fs, path = to_fs(pattern)
-        if any(ch in path for ch in "*?["):
-            matches = [p for p in fs.glob(path) if fs.isfile(p)]
-        elif fs.isdir(path):
-            matches = [p for p in fs.find(path) if not posixpath.basename(p).startswith(".")]
-        elif fs.exists(path):
-            matches = [path]
-        else:
-            matches = []
+        with storage_errors(pattern):
+            if any(ch in path for ch in "*?["):
+                matches = [p for p in fs.glob(path) if fs.isfile(p)]
+            elif fs.isdir(path):
+                matches = [p for p in fs.find(path) if not posixpath.basename(p).startswith(".")]
+            elif fs.exists(path):
+                matches = [path]
+            else:
+                matches = []
         if not matches:
-            raise NoMatchError(f"input {pattern} matches no file: check the path or glob")
+            if not _is_local(fs):  # s3fs finds nothing in a bucket that does not exist
+                check_storage(pattern)
+            raise NoMatchError(f"input {redact(pattern)} matches no file: check the path or glob")
         for p in sorted(matches):
             found[_unstrip(fs, pattern, p)] = None
     return list(found)
 
 
 _CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@\s:]*):[^/@\s]*@")
+# query parameters that carry a credential: presigned S3 URLs (X-Amz-Signature,
+# X-Amz-Security-Token, X-Amz-Credential), SAS tokens (sig), OAuth tokens, passwords
+_SECRET_PARAMS = re.compile(
+    r"(?i)(?P<key>[?&;](?:x-amz-signature|x-amz-security-token|x-amz-credential|signature|sig"
+    r"|access_token|token|secret|secret_key|password|aws_secret_access_key)=)[^&#\s]*"
+)
+# values from the environment that must never be written out, wherever they appear
+_SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_PASSWORD")
 
 
 def redact(text: str) -> str:
     """``text`` with the password of every URL in it replaced by ``***``
-    (``https://me:secret@host`` -> ``https://me:***@host``): for anything logged or saved.
-    Credentials belong in the environment (``MLFLOW_TRACKING_USERNAME`` /
-    ``MLFLOW_TRACKING_PASSWORD``, the cloud SDKs' own), not in a URI."""
-    return _CREDENTIALS.sub(r"\g<scheme>\g<user>:***@", text)
+    (``https://me:secret@host`` -> ``https://me:***@host``), and so are credential query
+    parameters (a presigned URL's ``X-Amz-Signature``, ``token=``...) and the values of
+    ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN`` and ``MLFLOW_TRACKING_PASSWORD`` from
+    the environment: for anything logged or saved. Credentials belong in the environment
+    (``MLFLOW_TRACKING_USERNAME`` / ``MLFLOW_TRACKING_PASSWORD``, the cloud SDKs' own), not
+    in a URI."""
+    text = _CREDENTIALS.sub(r"\g<scheme>\g<user>:***@", text)
+    text = _SECRET_PARAMS.sub(r"\g<key>***", text)
+    for var in _SECRET_VARS:
+        value = os.environ.get(var, "")
+        if len(value) >= 8 and value in text:  # short values would mask common words
+            text = text.replace(value, "***")
+    return text
 
 
 def _fsync_dir(path: str) -> None:
@@ -153,12 +251,15 @@ def atomic_writer(url: str) -> Iterator[IO[bytes]]:
     """
     fs, path = to_fs(url)
     parent = posixpath.dirname(path)
+    if not _is_local(fs):
+        with storage_errors(url):
+            if parent:
+                fs.makedirs(parent, exist_ok=True)
+            with fs.open(path, "wb") as f:
+                yield f
+        return
     if parent:
         fs.makedirs(parent, exist_ok=True)
-    if not _is_local(fs):
-        with fs.open(path, "wb") as f:
-            yield f
-        return
     tmp = posixpath.join(parent, f".{posixpath.basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
@@ -204,15 +305,26 @@ def _unstrip(fs: fsspec.AbstractFileSystem, original: str, path: str) -> str:
 
 # ---------------------------------------------------------------- retried reads
 
-_TRANSIENT_NAMES = ("Timeout", "ConnectionError", "ConnectError", "ServiceUnavailable", "Throttl")
+_TRANSIENT_NAMES = (
+    "Timeout",
+    "ConnectionError",
+    "ConnectError",
+    "ServiceUnavailable",
+    "Throttl",
+    "HTTPClientError",  # botocore: connection closed, response stream cut
+    "PayloadError",  # aiohttp: a response body cut off (s3fs's concurrent cat_file)
+    "IncompleteRead",
+)
 
 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` is a storage error that may go away: an ``OSError`` (I/O error, permission
     or file briefly gone on a shared filesystem, ``TimeoutError``, ``ConnectionError``) or a
     cloud client's timeout / connection error (botocore, aiohttp, fsspec ``FSTimeoutError``).
-    Not a corrupt file (``tarfile.TarError``, ``ValueError``) or a bad manifest."""
-    if isinstance(exc, NoMatchError | BertpipeError):
+    Not a corrupt file (``tarfile.TarError``, ``ValueError``), a bad manifest, or object
+    storage refusing access (missing bucket, credentials refused:
+    :func:`bertpipe.storage_check.is_permanent`)."""
+    if isinstance(exc, NoMatchError | BertpipeError) or is_permanent(exc):
         return False
     if isinstance(exc, OSError | TimeoutError):
         return True
@@ -285,7 +397,7 @@ def backoff(what: str, exc: BaseException, wait: float, attempt: int, policy: Re
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
+    return redact(text.splitlines()[0]) if text else type(exc).__name__
 
 
 def file_sha256(url: str) -> str:

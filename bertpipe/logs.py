@@ -19,6 +19,11 @@ _NOISY = (
     "fsspec",
     "torch.distributed",
     "DeepSpeed",
+    # every process start: "Found credentials in environment variables", "Found endpoint
+    # for s3 via: environment_global"; their retries log at DEBUG
+    "botocore",
+    "aiobotocore",
+    "s3fs",
 )
 
 

@@ -98,9 +98,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.log_level)
     try:
         return int(args.handler(args, passthrough) or 0)
-    except (BertpipeError, FileNotFoundError, FileExistsError) as exc:
-        if args.traceback:
+    except Exception as exc:
+        from bertpipe.storage_check import describe  # storage refusals s3fs raised raw
+
+        shown = describe(exc) if not isinstance(exc, BertpipeError) else None
+        if args.traceback or (
+            shown is None
+            and not isinstance(exc, (BertpipeError, FileNotFoundError, FileExistsError))
+        ):
             raise
+        exc = shown or exc
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"bertpipe: error: {message}", file=sys.stderr)
         return 75 if isinstance(exc, TransientError) else 2  # EX_TEMPFAIL: retry the job

@@ -1,9 +1,10 @@
 """The whole flow on object storage, against a real S3 server on 127.0.0.1 and a real
 ``mlflow server`` whose artifact store is a bucket of that server: tokenizer trained from an
-s3:// corpus, preprocess s3 -> s3, pre-training streaming its shards from s3 with its
-checkpoints there, export from s3 to s3 (registered), fine-tuning from the s3 export with its
-checkpoints on s3. Preprocessing runs on 2 Beam worker processes. Every stage is the real CLI in a child process that knows the store only
-through AWS_ENDPOINT_URL and its keys, as a MinIO or Ceph user's job would."""
+s3:// corpus, preprocess s3 -> s3 on 2 Beam worker processes, pre-training streaming its
+shards from s3 with its checkpoints there, export from s3 to s3 (registered), fine-tuning
+from the s3 export with its checkpoints on s3. Every stage is the real CLI in a child process
+that knows the store only through AWS_ENDPOINT_URL and its keys, as a MinIO or Ceph user's
+job would."""
 
 from __future__ import annotations
 
