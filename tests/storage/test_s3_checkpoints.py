@@ -118,20 +118,44 @@ def test_two_ranks_killed_mid_upload_resume_exactly(
     assert "zero_pp_rank_1_" in caplog.text
 
 
-def test_sigterm_mid_upload_publishes_and_exits_143(
+def test_sigterm_mid_upload_publishes_then_resumes_through_storage_faults(
     s3, pretrain_shards: Path, tmp_path: Path
 ) -> None:
+    """Every request goes through the fault proxy: 503 SlowDown and connection resets on
+    shard reads, checkpoint uploads, ``latest`` and the resume's downloads."""
+    from tests.faultproxy import FaultProxy
+
     shards = _upload_shards(s3, pretrain_shards)
     folder = f"{s3.bucket}/ft/checkpoints"
     cfg = _config(tmp_path, shards, folder, steps=12, checkpoint__preemption_check_steps=1)
     cmd = [sys.executable, "-m", "bertpipe.app.cli", "pretrain", "--config", str(cfg)]
-    stopped = _run(cmd, s3, fault="term-upload:global_step4")
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    latest = ckpt.latest_tag(folder)
-    assert latest is not None and latest != "global_step4"  # the final save, after step 4
-    assert ckpt.latest_complete_tag(folder) == latest
-    index = [e["tag"] for e in json.loads(ckpt._Folder(folder).read_text(ckpt.INDEX_FILE))]
-    assert index == ["global_step4", latest]  # the upload in flight was published too
-    state, _ = ckpt.read_state(folder, latest, 0)
-    assert 4 < state.global_step < 12
-    assert not list((tmp_path / "staging").rglob("*.pt"))  # uploaded, then cleared locally
+    with FaultProxy(s3.server.url) as proxy:
+        via = type(s3)(s3.server, s3.bucket, {**s3.env, "AWS_ENDPOINT_URL": proxy.url})
+        proxy.inject("503", 1, "GET", r"seq64/manifest\.json")
+        proxy.inject("reset_mid", 2, "GET", r"seq64/train-0000[01]\.tar", after_bytes=4096)
+        proxy.inject("503", 2, "PUT", r"mp_rank_00_model_states\.pt")
+        proxy.inject("reset", 2, "PUT", r"bertpipe_rank00000\.json")
+        proxy.inject("503", 1, "PUT", r"checkpoints/latest")
+        stopped = _run(cmd, via, fault="term-upload:global_step4")
+        assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+        assert proxy.pending == 0 and sum(proxy.served.values()) == 8, proxy.served
+        latest = ckpt.latest_tag(folder)
+        assert latest is not None and latest != "global_step4"  # the final save, after step 4
+        assert ckpt.latest_complete_tag(folder) == latest
+        index = [e["tag"] for e in json.loads(ckpt._Folder(folder).read_text(ckpt.INDEX_FILE))]
+        assert index == ["global_step4", latest]  # the upload in flight was published too
+        state, _ = ckpt.read_state(folder, latest, 0)
+        assert 4 < state.global_step < 12
+        assert not list((tmp_path / "staging").rglob("*.pt"))  # uploaded, then cleared locally
+
+        # the same command resumes, its downloads throttled and cut off too
+        proxy.inject("503", 2, "GET", r"mp_rank_00_model_states\.pt")
+        proxy.inject("reset_mid", 1, "GET", r"optim_states\.pt", after_bytes=4096)
+        again = _run(cmd, via)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert proxy.pending == 0, proxy.served
+    assert ckpt.latest_tag(folder) == "global_step12"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    by_step = _losses(uri, str(state.mlflow_run_id))
+    assert sorted(by_step) == list(range(1, 13))
+    assert all(len(v) == 1 for v in by_step.values())  # resumed after the last saved step
