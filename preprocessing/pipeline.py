@@ -126,10 +126,18 @@ class PartRef(NamedTuple):
     """Sizes of the block's arrays: a shard writer allocates the shard once and fills it."""
 
     def read(self) -> bytes:
-        fs, path = fsio.to_fs(self.url)
-        with fs.open(path, "rb") as f:
-            f.seek(self.offset)
-            return f.read(self.length)
+        return _read_range(self.url, self.offset, self.length)
+
+
+def _read_range(url: str, offset: int, length: int) -> bytes:
+    """Bytes ``offset:offset + length`` of ``url``: one ranged request on an object store
+    (a file opened for reading there fetches a whole block ahead, 50 MB with s3fs: every
+    writer reading its slices of a part file would fetch the rest of the file each time)."""
+    fs, path = fsio.to_fs(url)
+    data = fs.cat_file(path, start=offset, end=offset + length)
+    if len(data) != length:
+        raise OSError(f"{url}: read {len(data)} of {length} bytes at offset {offset}")
+    return bytes(data)
 
 
 def spill_folder(output: str) -> str:
@@ -264,10 +272,7 @@ class SpillRef(NamedTuple):
     length: int
 
     def documents(self) -> Iterator[TokenizedDoc]:
-        fs, path = fsio.to_fs(self.url)
-        with fs.open(path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(self.length)
+        data = _read_range(self.url, self.offset, self.length)
         pos = 0
         while pos < len(data):
             size = int.from_bytes(data[pos : pos + 4], "little")

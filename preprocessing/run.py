@@ -311,6 +311,7 @@ def run_preprocess(
         result = pipeline.run()
         result.wait_until_finish()
     seconds = time.monotonic() - started
+    _forget_listings(cfg.output)  # the workers wrote there: other processes, other clients
     manifests = {}
     empty = []
     for phase in cfg.phases:
@@ -340,6 +341,18 @@ def run_preprocess(
         raise NoTrainingDataError(_no_training_data(cfg, files, manifests, empty))
     _log_to_mlflow(cfg, plan, manifests, seconds)
     return manifests
+
+
+def _forget_listings(url: str) -> None:
+    """Drop the folder listings this process's filesystem client cached under ``url``.
+
+    Object-store clients (s3fs, gcsfs) cache every listing for good and forget it only for
+    their own writes; files that worker processes or other machines wrote would stay unseen.
+    """
+    fs, path = fsio.to_fs(url)
+    fs.invalidate_cache(path)
+    for cached in [p for p in getattr(fs, "dircache", {}) if str(p).startswith(path.rstrip("/"))]:
+        fs.invalidate_cache(cached)
 
 
 def _remove_scratch(cfg: PreprocessConfig) -> None:
@@ -392,6 +405,7 @@ class PreprocessProgress:
 
     def poll(self, force: bool = False) -> float:
         """Update the line from the markers (``force``: log it now); returns the MB done."""
+        _forget_listings(self._folder)  # the markers come from other processes
         names = [u.rsplit("/", 1)[-1] for u in fsio.list_files(self._folder)]
         read = sum(self._sizes.get(n, 0) for n in names) / 1e6
         buckets = sum(n.startswith("bucket-") for n in names)

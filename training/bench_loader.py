@@ -13,6 +13,14 @@ micro-batches of 32 after a short warm-up; ``instances_per_s`` is wall-clock,
 ``instances_per_cpu_s`` uses the process's CPU time (steadier on a shared machine). With
 ``--dynamic`` the shards are unmasked and the loader masks them itself.
 
+With ``--data URL`` the loader reads an existing phase folder instead (``bertpipe
+preprocess`` output; any fsspec URL). A remote one (``s3://...``: ``AWS_ENDPOINT_URL`` and
+keys in the environment for MinIO/Ceph) is measured first, then copied to a local temporary
+folder and measured again: ``instances_per_s`` (remote) stands beside ``local`` and
+``remote_vs_local``; ``first_batch_s`` is the time to the first batch (the first shard's
+read). ``--step-ms`` sleeps after every batch, as a training step would compute, and reports
+``wait_fraction``: the share of the wall clock spent waiting for data, what a trainer loses.
+
 The target is 20,000 instances/s per loader process. The last line of output is one JSON
 object.
 """
@@ -51,6 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-workers", type=int, default=0, help="0: in process (the target)")
     parser.add_argument("--dynamic", action="store_true", help="unmasked shards, mask at load")
     parser.add_argument("--workdir", help="keep the shards here (default: a temp dir)")
+    parser.add_argument(
+        "--data",
+        help="measure this phase folder (any fsspec URL: a local path, s3://...) instead of "
+        "synthetic shards; a remote one is also copied to a local temp dir and measured there",
+    )
+    parser.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long after each batch (a training step's compute) and report the "
+        "share of time spent waiting for data (wait_fraction)",
+    )
 
 
 def loader_lengths(rng: Any, n: int, seq_len: int) -> Any:
@@ -151,8 +171,8 @@ def write_shards(
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    import itertools
-
+    if args.data:
+        return _bench_folder(args)
     from bertpipe.training.data import PretrainingData
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -172,35 +192,122 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             num_workers=args.num_workers,
             shuffle_blocks=args.shuffle_blocks,
         )
-        batches = args.batches or data.batches_per_epoch - args.warmup
-        stream = iter(data)
-        for _ in itertools.islice(stream, args.warmup):
-            pass
-        wall, cpu = time.perf_counter(), time.process_time()
-        tokens = masked = timed = 0
-        for batch in itertools.islice(stream, batches):
-            tokens += batch["input_ids"].numel()
-            masked += batch["mlm_positions"].numel()
-            timed += 1
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    rate = timed * BATCH_SIZE / wall
+        figures = _measure(data, args)
+    rate = figures["instances_per_s"]
     return {
-        "instances_per_s": round(rate, 1),
-        "instances_per_cpu_s": round(timed * BATCH_SIZE / cpu, 1) if cpu > 0 else None,
-        "batches": timed,
+        **figures,
         "batch_size": BATCH_SIZE,
         "seq_len": SEQ_LEN,
         "num_workers": args.num_workers,
-        "seconds": round(wall, 3),
-        "cpu_seconds": round(cpu, 3),
         "warmup_batches": args.warmup,
         "masking": "dynamic" if args.dynamic else "static",
         "shuffle_blocks": args.shuffle_blocks,
         "shards": args.shards,
         "instances": args.instances,
         "bytes_per_instance": round(size / args.instances, 1),
-        "padded_tokens_per_batch": round(tokens / max(timed, 1), 1),
-        "masked_per_instance": round(masked / max(timed * BATCH_SIZE, 1), 2),
         "target_instances_per_s": TARGET,
         "meets_target": rate >= TARGET,
     }
+
+
+def _measure(data: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Time ``data``'s batches after ``args.warmup`` of them; with ``args.step_ms`` each
+    batch is followed by that much sleep (a training step's compute, during which only
+    background reads progress) and ``wait_fraction`` is the share of the timed wall clock
+    spent waiting for the next batch."""
+    import itertools
+
+    step = args.step_ms / 1e3
+    warmup = max(1, args.warmup)  # the first batch is timed on its own (first_batch_s)
+    batches = args.batches or data.batches_per_epoch - warmup
+    if batches < 1:
+        raise ValueError(
+            f"{data.batches_per_epoch} batches per epoch leave none to time after "
+            f"{warmup} of warm-up: lower --warmup or give more data"
+        )
+    started = time.perf_counter()
+    stream = iter(data)
+    next(stream)
+    first_batch = time.perf_counter() - started
+    for _ in itertools.islice(stream, warmup - 1):
+        time.sleep(step)
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = masked = timed = 0
+    waited = 0.0
+    while timed < batches:
+        asked = time.perf_counter()
+        batch = next(stream, None)
+        waited += time.perf_counter() - asked
+        if batch is None:
+            break
+        tokens += batch["input_ids"].numel()
+        masked += batch["mlm_positions"].numel()
+        timed += 1
+        if step:
+            time.sleep(step)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    size = data.micro_batch_size
+    return {
+        "instances_per_s": round(timed * size / wall, 1),
+        "instances_per_cpu_s": round(timed * size / cpu, 1) if cpu > 0 else None,
+        "wait_fraction": round(waited / wall, 4) if step else None,
+        "first_batch_s": round(first_batch, 3),
+        "batches": timed,
+        "seconds": round(wall, 3),
+        "cpu_seconds": round(cpu, 3),
+        "padded_tokens_per_batch": round(tokens / max(timed, 1), 1),
+        "masked_per_instance": round(masked / max(timed * size, 1), 2),
+    }
+
+
+def _bench_folder(args: argparse.Namespace) -> dict[str, Any]:
+    """The loader over an existing phase folder (``--data``, any fsspec URL). A remote folder
+    (``s3://``, ``gs://`` ...) is then copied to a local temporary folder and measured there
+    too, so the figures of object storage stand beside those of local disk."""
+    from bertpipe import fsio
+    from bertpipe.training.data import PretrainingData, load_manifest
+
+    def loader(url: str) -> Any:
+        return PretrainingData(
+            url,
+            "train",
+            BATCH_SIZE,
+            num_workers=args.num_workers,
+            shuffle_blocks=args.shuffle_blocks,
+        )
+
+    url = fsio.absolute(args.data)
+    manifest = load_manifest(url)
+    shards = manifest.splits["train"]
+    size = sum(s.bytes or 0 for s in shards)
+    instances = sum(s.instances for s in shards)
+    out: dict[str, Any] = {
+        "data": args.data,
+        **_measure(loader(url), args),
+        "batch_size": BATCH_SIZE,
+        "seq_len": manifest.max_seq_length,
+        "num_workers": args.num_workers,
+        "warmup_batches": args.warmup,
+        "step_ms": args.step_ms,
+        "masking": "dynamic" if manifest.masking == "none" else "static",
+        "shuffle_blocks": args.shuffle_blocks,
+        "shards": len(shards),
+        "instances": instances,
+        "mb": round(size / 1e6, 1),
+        "bytes_per_instance": round(size / max(instances, 1), 1),
+    }
+    fs, path = fsio.to_fs(url)
+    if "://" not in url or url.startswith("file://"):
+        return out
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        started = time.perf_counter()
+        files = [s.file for split in manifest.splits.values() for s in split]
+        for name in ["manifest.json", *files]:
+            fs.get_file(fsio.join(path, name), str(Path(tmp) / name))
+        copy = time.perf_counter() - started
+        log.info("copied %.1f MB to %s in %.1f s", size / 1e6, tmp, copy)
+        local = _measure(loader(tmp), args)
+    out["local"] = local
+    out["copy_mb_per_s"] = round(size / 1e6 / max(copy, 1e-9), 1)
+    out["remote_vs_local"] = round(out["instances_per_s"] / max(local["instances_per_s"], 1e-9), 3)
+    return out

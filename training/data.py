@@ -22,22 +22,28 @@ planned from the manifest alone, with no communication:
   batch k is batch k // W of worker k % W. After resuming at k consumed batches, new worker w
   plays worker (w + k) % W, so the DataLoader's round robin continues where it stopped.
 
-Reading: every shard is opened with fsspec (local paths, ``memory://``, ``s3://``, ``gs://``)
-and its stream handed to webdataset's ``tar_file_expander`` + ``group_by_keys``. The
+Reading: every shard is read whole with fsspec (local paths, ``memory://``, ``s3://``,
+``gs://``), in one request on object storage (``cat_file``: one GET), its checksum verified
+on those bytes, and its blocks parsed from memory by webdataset's ``tar_file_expander`` +
+``group_by_keys``. While a shard's blocks are consumed, a background thread of the reading
+process (the training process, or the loader worker) fetches the next shard of that slot:
+at most one ahead, so a reader holds two shards (32 MB each by default). Shards larger than
+:data:`WHOLE_READ_MAX` are streamed through the tar reader instead, without prefetch. The
 ``webdataset.WebDataset`` pipeline is not used: its URL opener knows no fsspec schemes, and
 its node/worker splitting (which raises under DDP and gives ranks unequal counts) is
-replaced by the partition above. Members of blocks a slot does not need are skipped unread
-(``select_files``) and a shard is closed as soon as the slot's last block of it was read.
-Blocks are decoded by ``InstanceBlock.from_sample`` (``.npy`` with ``allow_pickle=False``).
+replaced by the partition above. Members of blocks a slot does not need are skipped
+(``select_files``). Blocks are decoded by ``InstanceBlock.from_sample`` (``.npy`` with
+``allow_pickle=False``).
 
 Faults: a read that fails with an error that may be transient (``OSError``: I/O error, file
 briefly unreadable or gone; timeouts; lost connections) is retried with exponential backoff
-(``data.read_retries``, ``data.read_retry_delay``), resuming after the last block delivered;
-still failing, :class:`~bertpipe.errors.TransientError` (exit status 75: retry the job). A
-corrupt shard (tar or ``.npy`` errors, counts that disagree with the manifest), a shard whose
-sha256 differs from its manifest's (checked when a process first opens it,
-``data.verify_checksums``) and token or label ids outside the vocabulary are
-:class:`DataError` (exit status 2), naming the shard.
+(``data.read_retries``, ``data.read_retry_delay``): the whole shard is read again (a streamed
+one resumes after the last block delivered); still failing,
+:class:`~bertpipe.errors.TransientError` (exit status 75: retry the job), raised when the
+loader reaches that shard (a prefetch's error waits for it). A corrupt shard (tar or
+``.npy`` errors, counts that disagree with the manifest), a shard whose sha256 differs from
+its manifest's (checked on every read of it, ``data.verify_checksums``) and token or label
+ids outside the vocabulary are :class:`DataError` (exit status 2), naming the shard.
 
 An error raised in a loader worker reaches the training process as its own class with its
 one-line message (:func:`_from_worker`), after the workers were stopped. Workers ignore
@@ -55,6 +61,8 @@ import atexit
 import contextlib
 import ctypes
 import functools
+import hashlib
+import io
 import itertools
 import json
 import logging
@@ -67,18 +75,19 @@ import tarfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from bertpipe import fsio
-from bertpipe.errors import BertpipeError
+from bertpipe.errors import BertpipeError, TransientError
 from bertpipe.fsio import RetryPolicy
 from bertpipe.preprocessing.masking import MaskingSpec, mask_block
 from bertpipe.preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION, InstanceBlock
@@ -122,6 +131,8 @@ class ShardInfo:
     samples: int
     sha256: str | None = None
     """The shard's checksum as the manifest lists it (None in manifests without one)."""
+    bytes: int | None = None
+    """The shard's size as the manifest lists it (None in manifests without one)."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +216,7 @@ def load_manifest(folder: str, retry: RetryPolicy | None = None) -> Manifest:
                     int(s["instances"]),
                     int(s["samples"]),
                     str(s["sha256"]) if s.get("sha256") else None,
+                    int(s["bytes"]) if s.get("bytes") is not None else None,
                 )
                 for s in split["shards"]
             )
@@ -319,8 +331,11 @@ class _Plan:
         order = rng_for(*key).permutation(len(runs))
         return [runs[i] for i in order]
 
-    def slot_batches(self, epoch: int, slot: int, skip: int = 0) -> Iterator[dict[str, Tensor]]:
-        """Batches ``skip, skip + 1, ..., batches_per_slot - 1`` of ``slot`` in ``epoch``."""
+    def slot_batches(
+        self, epoch: int, slot: int, skip: int = 0, limit: int | None = None
+    ) -> Iterator[dict[str, Tensor]]:
+        """Batches ``skip, skip + 1, ..., batches_per_slot - 1`` of ``slot`` in ``epoch``
+        (only the first ``limit`` of them, if given)."""
         refs = [(r.shard, b) for r in self.slot_runs(epoch, slot) for b in range(r.start, r.stop)]
         window = self.shuffle_blocks
         per_window = [
@@ -329,9 +344,14 @@ class _Plan:
         ]
         ends = np.cumsum(per_window)
         B = self.micro_batch_size
+        count = self.batches_per_slot - skip
+        if limit is not None:
+            count = min(count, limit)
         first = int(np.searchsorted(ends, skip * B, side="right"))  # first window still needed
         offset = skip * B - (int(ends[first - 1]) if first else 0)
-        blocks = self._read_blocks(epoch, refs[first * window :])
+        # the window holding the last instance needed: no shard after it is read (prefetched)
+        last = int(np.searchsorted(ends, (skip + count) * B - 1, side="right"))
+        blocks = self._read_blocks(epoch, refs[first * window : (last + 1) * window])
 
         def windows() -> Iterator[InstanceBlock]:
             for w in range(first, len(per_window)):
@@ -342,32 +362,72 @@ class _Plan:
 
         pad, longest = self.manifest.special_token_ids["pad"], self.manifest.max_seq_length
         try:
-            yield from cut_batches(windows(), B, self.batches_per_slot - skip, pad, longest)
+            yield from cut_batches(windows(), B, count, pad, longest)
         finally:
             blocks.close()
 
     def _read_blocks(self, epoch: int, refs: list[tuple[int, int]]) -> Iterator[InstanceBlock]:
-        """Decode (and mask, for dynamic masking) the blocks ``refs``, in that order."""
+        """Decode (and mask, for dynamic masking) the blocks ``refs``, in that order.
+
+        Each shard is read whole, in one request (:func:`_fetch_shard`); once its bytes are
+        in hand, the next shard of ``refs`` is fetched by a background thread of this
+        process (:class:`_Prefetch`) while these blocks are decoded and consumed: at most
+        one shard ahead. Shards over :data:`WHOLE_READ_MAX` are streamed instead."""
         shards = self.manifest.splits[self.split]
-        for shard, group in itertools.groupby(refs, key=lambda r: r[0]):
-            info = shards[shard]
-            wanted = [b for _, b in group]
-            sha256 = info.sha256 if self.verify_checksums else None
-            blocks = _read_shard_blocks(
-                info.url, wanted, retry=self.retry, sha256=sha256, manifest_url=self.manifest.url
-            )
-            for number, key, block in blocks:
-                expected = int(self.block_sizes[shard][number])
-                if len(block) != expected:
-                    raise DataError(
-                        f"{info.url}: sample {key} holds {len(block)} instances, the manifest "
-                        f"{self.manifest.url} says {expected}: rerun `bertpipe preprocess`"
-                    )
-                check_ids(block, self.manifest.vocab_size, f"shard {info.url} sample {key}")
-                if self.masking is not None:
-                    rng = rng_for(self.seed, "dynamic-mask", epoch, info.file, key)
-                    block = mask_block(block, self.masking, rng)
-                yield block
+        runs = [(shard, [b for _, b in g]) for shard, g in itertools.groupby(refs, lambda r: r[0])]
+        ahead: _Prefetch | None = None
+        try:
+            for i, (shard, wanted) in enumerate(runs):
+                info = shards[shard]
+                fetched, ahead = ahead, None
+                args = self._fetch_args(info)
+                if fetched is not None:
+                    try:
+                        data = fetched.result()
+                    except TransientError:  # retried as long again, from now: as unfetched
+                        data = _fetch_shard(**args)
+                    blocks = _blocks_from_bytes(info.url, data, wanted)
+                elif _read_whole(info):
+                    blocks = _blocks_from_bytes(info.url, _fetch_shard(**args), wanted)
+                else:
+                    blocks = _stream_shard_blocks(wanted=wanted, **args)
+                if i + 1 < len(runs) and _read_whole(upcoming := shards[runs[i + 1][0]]):
+                    ahead = _Prefetch(self._fetch_args(upcoming))
+                yield from self._checked(epoch, shard, info, blocks)
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+
+    def _fetch_args(self, info: ShardInfo) -> dict[str, Any]:
+        sha256 = info.sha256 if self.verify_checksums else None
+        return {
+            "url": info.url,
+            "retry": self.retry,
+            "sha256": sha256,
+            "manifest_url": self.manifest.url,
+        }
+
+    def _checked(
+        self,
+        epoch: int,
+        shard: int,
+        info: ShardInfo,
+        blocks: Iterator[tuple[int, str, InstanceBlock]],
+    ) -> Iterator[InstanceBlock]:
+        """The blocks of one shard, checked against the manifest and the vocabulary (and
+        masked, for dynamic masking)."""
+        for number, key, block in blocks:
+            expected = int(self.block_sizes[shard][number])
+            if len(block) != expected:
+                raise DataError(
+                    f"{info.url}: sample {key} holds {len(block)} instances, the manifest "
+                    f"{self.manifest.url} says {expected}: rerun `bertpipe preprocess`"
+                )
+            check_ids(block, self.manifest.vocab_size, f"shard {info.url} sample {key}")
+            if self.masking is not None:
+                rng = rng_for(self.seed, "dynamic-mask", epoch, info.file, key)
+                block = mask_block(block, self.masking, rng)
+            yield block
 
 
 def _block_number(name: str) -> int:
@@ -396,13 +456,106 @@ def _verify_shard(url: str, sha256: str, manifest_url: str) -> None:
             return
     actual = fsio.file_sha256(url)
     if actual != sha256:
-        raise DataError(
-            f"shard {url} has sha256 {actual}, its manifest {manifest_url} lists {sha256}: the "
-            "shard was changed or damaged after `bertpipe preprocess` wrote it; rerun it (or "
-            "restore the shard)"
-        )
+        raise _checksum_error(url, actual, sha256, manifest_url)
     with _verified_lock:
         _verified[url] = signature
+
+
+WHOLE_READ_MAX = 512 << 20
+"""Shards up to this size (bytes, as the manifest lists them) are read whole into memory,
+in one request, and the next one prefetched (:class:`_Prefetch`): with shards of 32 MB by
+default a reading process holds two. Larger shards are streamed (:func:`_stream_shard_blocks`)."""
+
+_READ_CHUNK = 64 << 20
+
+
+def _read_whole(info: ShardInfo) -> bool:
+    return info.bytes is None or info.bytes <= WHOLE_READ_MAX
+
+
+def _read_all(url: str) -> bytes:
+    """The file's bytes: one ``cat_file`` (a single GET) on object storage; a local file in
+    large reads."""
+    fs, path = fsio.to_fs(url)
+    if not isinstance(fs, LocalFileSystem):
+        return bytes(fs.cat_file(path))
+    chunks = []
+    with fsio.open_url(url, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _fetch_shard(
+    url: str,
+    *,
+    retry: RetryPolicy | None = None,
+    sha256: str | None = None,
+    manifest_url: str = "",
+    transient: Callable[[BaseException], bool] = fsio.is_transient,
+) -> bytes:
+    """The whole shard, read once (transient errors retried with ``retry``'s backoff), its
+    ``sha256`` (if given) verified on those bytes: a mismatch is a :class:`DataError`."""
+    data = fsio.retried(lambda: _read_all(url), f"reading shard {url}", retry, transient)
+    if sha256 is not None:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != sha256:
+            raise _checksum_error(url, actual, sha256, manifest_url)
+    return data
+
+
+def _checksum_error(url: str, actual: str, sha256: str, manifest_url: str) -> DataError:
+    return DataError(
+        f"shard {url} has sha256 {actual}, its manifest {manifest_url} lists {sha256}: the "
+        "shard was changed or damaged after `bertpipe preprocess` wrote it; rerun it (or "
+        "restore the shard)"
+    )
+
+
+class _Prefetch:
+    """A shard read whole (:func:`_fetch_shard`) by a background thread of the process that
+    will decode it (a loader worker's thread lives in that worker: it is started when the
+    worker starts reading, never before a fork)."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        self.url = str(args["url"])
+        self._cancelled = threading.Event()
+        self._done = threading.Event()
+        self._data: bytes | None = None
+        self._error: BaseException | None = None
+        args = {**args, "transient": self._transient}
+        thread = threading.Thread(
+            target=self._run, args=(args,), name="bertpipe-shard-prefetch", daemon=True
+        )
+        thread.start()
+
+    def _transient(self, exc: BaseException) -> bool:
+        return not self._cancelled.is_set() and fsio.is_transient(exc)
+
+    def _run(self, args: dict[str, Any]) -> None:
+        try:
+            if not self._cancelled.is_set():
+                self._data = _fetch_shard(**args)
+        except BaseException as exc:  # handed to the consumer by result()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self) -> bytes:
+        """The shard's bytes, once read; its read's error (after the retries) raised here."""
+        self._done.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        data, self._data = self._data, None
+        if data is None:
+            raise RuntimeError(f"the prefetch of {self.url} was cancelled")
+        return data
+
+    def cancel(self) -> None:
+        """Not needed after all (the loader was closed): a read in progress ends without
+        retries and its bytes are dropped."""
+        self._cancelled.set()
 
 
 def _read_shard_blocks(
@@ -413,13 +566,51 @@ def _read_shard_blocks(
     sha256: str | None = None,
     manifest_url: str = "",
 ) -> Iterator[tuple[int, str, InstanceBlock]]:
-    """Yield ``(number, key, block)`` for the blocks ``wanted`` (ascending) of one shard.
+    """Yield ``(number, key, block)`` for the blocks ``wanted`` (ascending) of one shard,
+    read whole (:func:`_fetch_shard`: one read, transient errors retried, ``sha256``
+    verified on the bytes read) and decoded from memory; a corrupt shard is a
+    :class:`DataError` at once."""
+    data = _fetch_shard(url, retry=retry, sha256=sha256, manifest_url=manifest_url)
+    yield from _blocks_from_bytes(url, data, wanted)
 
-    With ``sha256`` the shard's checksum is verified first (:func:`_verify_shard`). A
-    transient read error (:func:`bertpipe.fsio.is_transient`) reopens the shard after
-    ``retry``'s backoff and continues after the last block yielded; a corrupt shard is a
-    :class:`DataError` at once.
-    """
+
+def _blocks_from_bytes(
+    url: str, data: bytes, wanted: list[int]
+) -> Iterator[tuple[int, str, InstanceBlock]]:
+    """``(number, key, block)`` of the blocks ``wanted`` of the shard ``data`` (its bytes)."""
+    seen: list[int] = []
+    try:
+        for number, key, block in _tar_blocks(url, io.BytesIO(data), wanted):
+            seen.append(number)
+            yield number, key, block
+    except (tarfile.TarError, ValueError, IndexError, EOFError) as exc:
+        raise _corrupt(url, exc) from exc
+    _check_complete(url, wanted, seen)
+
+
+def _corrupt(url: str, exc: BaseException) -> DataError:
+    detail = exc.args[0] if exc.args else type(exc).__name__
+    return DataError(f"cannot read shard {url}: {detail}; rerun `bertpipe preprocess`")
+
+
+def _check_complete(url: str, wanted: list[int], seen: list[int]) -> None:
+    if seen != wanted:
+        missing = sorted(set(wanted) - set(seen))[:3]
+        raise DataError(f"shard {url} lacks samples {missing} that its manifest lists")
+
+
+def _stream_shard_blocks(
+    url: str,
+    wanted: list[int],
+    *,
+    retry: RetryPolicy | None = None,
+    sha256: str | None = None,
+    manifest_url: str = "",
+) -> Iterator[tuple[int, str, InstanceBlock]]:
+    """:func:`_read_shard_blocks` for a shard too large to hold (over
+    :data:`WHOLE_READ_MAX`): streamed through the tar reader, its checksum verified first in
+    a pass of its own (:func:`_verify_shard`). A transient read error reopens the shard after
+    ``retry``'s backoff and continues after the last block yielded."""
     policy = retry or RetryPolicy()
     waits = policy.waits()
     attempt = 1
@@ -429,17 +620,15 @@ def _read_shard_blocks(
         try:
             if sha256 is not None:
                 _verify_shard(url, sha256, manifest_url)
-            for number, key, block in _read_shard_once(url, left):
-                seen.append(number)
-                yield number, key, block
+            with fsio.open_url(url, "rb") as stream:
+                for number, key, block in _tar_blocks(url, stream, left):
+                    seen.append(number)
+                    yield number, key, block
             break
         except BertpipeError:
             raise
         except (tarfile.TarError, ValueError, IndexError, EOFError) as exc:
-            detail = exc.args[0] if exc.args else type(exc).__name__
-            raise DataError(
-                f"cannot read shard {url}: {detail}; rerun `bertpipe preprocess`"
-            ) from exc
+            raise _corrupt(url, exc) from exc
         except Exception as exc:
             if not fsio.is_transient(exc):
                 raise
@@ -450,28 +639,28 @@ def _read_shard_blocks(
             attempt += 1
             done = set(seen)
             left = [b for b in wanted if b not in done]
-    if seen != wanted:
-        missing = sorted(set(wanted) - set(seen))[:3]
-        raise DataError(f"shard {url} lacks samples {missing} that its manifest lists")
+    _check_complete(url, wanted, seen)
 
 
-def _read_shard_once(url: str, wanted: list[int]) -> Iterator[tuple[int, str, InstanceBlock]]:
-    """One pass over the shard: ``(number, key, block)`` of the blocks ``wanted``, in order,
-    stopping after the last of them (errors pass through to the caller's retry)."""
+def _tar_blocks(
+    url: str, stream: Any, wanted: list[int]
+) -> Iterator[tuple[int, str, InstanceBlock]]:
+    """One pass over a shard's tar stream: ``(number, key, block)`` of the blocks
+    ``wanted``, in order, stopping after the last of them (members of other blocks are
+    skipped unread; errors pass through to the caller)."""
     want = set(wanted)
     last = wanted[-1]
-    with fsio.open_url(url, "rb") as stream:
-        members = tar_file_expander(
-            [{"url": url, "stream": stream}],
-            select_files=lambda name: _block_number(name) in want,
-        )
-        for sample in group_by_keys(members):
-            number = _block_number(sample["__key__"])
-            if number not in want:
-                continue
-            yield number, sample["__key__"], InstanceBlock.from_sample(sample)
-            if number == last:
-                break
+    members = tar_file_expander(
+        [{"url": url, "stream": stream}],
+        select_files=lambda name: _block_number(name) in want,
+    )
+    for sample in group_by_keys(members):
+        number = _block_number(sample["__key__"])
+        if number not in want:
+            continue
+        yield number, sample["__key__"], InstanceBlock.from_sample(sample)
+        if number == last:
+            break
 
 
 class _SlotDataset(IterableDataset):
@@ -496,13 +685,16 @@ class _SlotDataset(IterableDataset):
         worker = (new_id + c) % W  # the logical worker this one plays
         skip = c // W + (1 if worker < c % W else 0)  # its batches the trainer already had
         slot = self._rank * W + worker
+        mine = None if self._limit is None else max(0, -(-(self._limit - new_id) // W))
         stream = (
             batch
             for e in itertools.count(self._epoch)
-            for batch in self._plan.slot_batches(e, slot, skip if e == self._epoch else 0)
+            for batch in self._plan.slot_batches(
+                e, slot, skip if e == self._epoch else 0, mine if e == self._epoch else None
+            )
         )
-        if self._limit is not None:
-            stream = itertools.islice(stream, max(0, -(-(self._limit - new_id) // W)))
+        if mine is not None:
+            stream = itertools.islice(stream, mine)
         for batch in stream:
             yield batch if info is None else pack_batch(batch)
 
