@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import posixpath
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from urllib.parse import urlsplit
 
 import fsspec
@@ -261,3 +261,21 @@ def check_storage(url: str, write: bool = False) -> None:
                 f"{first}: check the URL and the storage settings"
             ) from exc
         raise
+
+
+def preflight(reads: Sequence[tuple[str, str]], writes: Sequence[tuple[str, str]] = ()) -> None:
+    """Check, before any work, every storage location a command will use: ``(config key,
+    URL)`` pairs it reads and writes (:func:`check_storage`). The first one refused raises a
+    one-line :class:`StorageAccessError` that starts with its config key. Only object storage
+    costs a request; local paths are checked for writability only."""
+    for key, url in reads:
+        _checked(key, url, write=False)
+    for key, url in writes:
+        _checked(key, url, write=True)
+
+
+def _checked(key: str, url: str, write: bool) -> None:
+    try:
+        check_storage(str(url), write=write)
+    except StorageAccessError as exc:
+        raise StorageAccessError(f"{key}: {exc}") from exc

@@ -7,6 +7,7 @@ import json
 import sys
 
 from bertpipe.cli_args import add_config_arguments, config_from_args
+from bertpipe.storage_check import preflight
 
 
 def add_finetune_command(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +45,10 @@ def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(FinetuneConfig, args)
     if cfg is None:
         return 0
+    preflight(
+        [("init_from", cfg.init_from)] if cfg.init_from else [],
+        [("checkpoint.dir", cfg.checkpoint.dir)] if cfg.checkpoint.dir else [],
+    )
     try:
         result = run_finetuning(cfg)
     except PreemptedError:  # saved (and logged); the same command continues the run

@@ -7,6 +7,7 @@ import json
 import sys
 
 from bertpipe.cli_args import add_config_arguments, config_from_args, write_resolved_config
+from bertpipe.storage_check import preflight
 
 
 def add_tokenizer_command(sub: argparse._SubParsersAction) -> None:
@@ -44,6 +45,10 @@ def _tokenizer_train(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(TokenizerConfig, args, ["overwrite=true"] if args.overwrite else [])
     if cfg is None:
         return 0
+    reads = [("input.paths", p) for p in cfg.input.paths]
+    if cfg.vocab_file:
+        reads.append(("vocab_file", cfg.vocab_file))
+    preflight(reads, [("output", cfg.output)])
     summary = train_tokenizer(cfg)
     write_resolved_config(cfg, cfg.output)
     sys.stdout.write(json.dumps(summary) + "\n")
@@ -83,6 +88,10 @@ def _preprocess(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(PreprocessConfig, args, ["overwrite=true"] if args.overwrite else [])
     if cfg is None:
         return 0
+    preflight(
+        [*(("input.paths", p) for p in cfg.input.paths), ("tokenizer", cfg.tokenizer)],
+        [("output", cfg.output)],
+    )
     manifests = run_preprocess(cfg, passthrough)
     write_resolved_config(cfg, cfg.output, "preprocess.yaml")
     summary = {

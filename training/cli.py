@@ -18,6 +18,7 @@ import json
 import sys
 
 from bertpipe.cli_args import add_config_arguments, config_from_args
+from bertpipe.storage_check import preflight
 
 PRETRAIN_DESCRIPTION = """\
 Pre-trains BERT with DeepSpeed from one config: the model, one or two phases (data, batch,
@@ -66,6 +67,10 @@ def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(PretrainConfig, args)
     if cfg is None:
         return 0
+    reads = [(f"phases[{i}].data", p.data) for i, p in enumerate(cfg.phases)]
+    if cfg.model.init_from:
+        reads.append(("model.init_from", cfg.model.init_from))
+    preflight(reads, [("output", cfg.output), ("checkpoint.dir", cfg.checkpoint_dir)])
     owned = not dist.is_initialized()  # a group this command forms is this command's to end
     together = False  # all ranks got here together: safe to meet at a barrier
     try:
@@ -137,6 +142,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
 def _export(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.training.export import export_checkpoint
 
+    preflight([("checkpoint_dir", args.checkpoint_dir)], [("out", args.out)])
     info = export_checkpoint(
         args.checkpoint_dir,
         args.out,
