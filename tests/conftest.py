@@ -186,7 +186,8 @@ class MlflowServer:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env=self.env,
+            # no GenAI job runner: a second process bertpipe never uses
+            env={**(self.env or os.environ), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
             start_new_session=True,  # its own process group: stop() ends its workers too
         )
         deadline = time.monotonic() + 180

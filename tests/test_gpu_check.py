@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.training.conftest import pretrain_shards  # noqa: F401  (the shards fixture)
-
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "infra" / "gpu"
 CHECK = GPU / "check.sh"
@@ -263,7 +261,7 @@ SMOKE_RUNS = [*BENCH_RUNS[:6], "pretrain-demo", *BENCH_RUNS[6:]]
 @pytest.mark.slow
 def test_check_runs_end_to_end_in_smoke_mode(
     tmp_path: Path,
-    pretrain_shards: Path,  # noqa: F811
+    pretrain_shards: Path,
 ) -> None:
     if not (ROOT / "training" / "bench_train.py").exists():
         pytest.skip("training/bench_train.py (`bench train`) does not exist yet")

@@ -254,7 +254,7 @@ def save(
     if remote is not None:
         remote.wait()  # one checkpoint in flight: the previous one is on the store first
         local = remote.staging(rank)
-        shutil.rmtree(local / tag, ignore_errors=True)  # a leftover of a killed save
+        shutil.rmtree(local, ignore_errors=True)  # nothing in flight: leftovers of killed saves
         (local / tag).mkdir(parents=True, exist_ok=True)
         attempt = _attempt_id()
     else:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +22,14 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _overrides(shards: Path, out: Path, uri: str, steps: int = 8, **extra: object) -> list[str]:
+def _overrides(
+    shards: Path | str, out: Path, uri: str, steps: int = 8, **extra: object
+) -> list[str]:
     phases = (
         "phases=["
-        f"{{name: phase1, data: {shards / 'seq64'}, max_steps: {steps}, micro_batch_size: 8,"
+        f"{{name: phase1, data: {shards}/seq64, max_steps: {steps}, micro_batch_size: 8,"
         " global_batch_size: 16, learning_rate: 2.0e-3, warmup: 0.25},"
-        f" {{name: phase2, data: {shards / 'seq128'}, max_steps: 4, micro_batch_size: 4,"
+        f" {{name: phase2, data: {shards}/seq128, max_steps: 4, micro_batch_size: 4,"
         " global_batch_size: 8, learning_rate: 1.0e-3, warmup: 0.25}]"
     )
     items = [
@@ -130,12 +131,20 @@ def _pretrain_cmd(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "bertpipe.app.cli", "pretrain", *args]
 
 
-def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path) -> None:
+def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path, s3) -> None:
     """An uninterrupted run and a run stopped by SIGTERM then resumed log the same losses.
 
-    Both run in fresh single-threaded processes, as a real job does: CPU kernels may round
-    differently with another thread count or memory layout, which is not what this pins.
+    The stopped run keeps its shards and checkpoints on the S3 test server, reached through a
+    fault proxy: the SIGTERM arrives while checkpoint global_step4 is uploading, and shard
+    reads, uploads, ``latest`` and the resume's downloads meet 503 SlowDown and connection
+    resets. It publishes both checkpoints, exits 143, and the same command resumes. Both run
+    in fresh single-threaded processes, as a real job does: CPU kernels may round differently
+    with another thread count or memory layout, which is not what this pins.
     """
+    import s3fs
+
+    from tests.faultproxy import FaultProxy
+
     env = {**_env(), "OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
     ref_uri = f"sqlite:///{tmp_path / 'reference.db'}"
@@ -145,26 +154,49 @@ def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path) ->
         check=True,
         capture_output=True,
     )
+    shards = f"{s3.bucket}/shards"
+    s3fs.S3FileSystem().put(str(pretrain_shards), shards.removeprefix("s3://"), recursive=True)
+    folder = f"{s3.bucket}/run/checkpoints"
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    args = _overrides(pretrain_shards, tmp_path / "run", uri, steps=24)
-    proc = subprocess.Popen(
-        _pretrain_cmd(args), env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
+    args = _overrides(
+        shards,
+        tmp_path / "run",
+        uri,
+        steps=24,
+        checkpoint__dir=folder,
+        checkpoint__local_dir=tmp_path / "staging",
     )
-    assert proc.stderr is not None
-    seen = []
-    for line in proc.stderr:
-        seen.append(line)
-        if "phase1 step 5/" in line:
-            proc.send_signal(signal.SIGTERM)
-            break
-    rest = proc.stderr.read()
-    assert proc.wait(timeout=300) == 143, "".join(seen)[-3000:] + rest[-3000:]
-    folder = tmp_path / "run" / "checkpoints"
-    stopped_at = (folder / "latest").read_text()
-    assert 5 <= int(stopped_at.removeprefix("global_step")) < 24
-    # resume from `latest` in a fresh process
-    subprocess.run(_pretrain_cmd(args), env=env, check=True, capture_output=True)
-    state, _ = ckpt.read_state(str(folder), "global_step28", 0)
+    with FaultProxy(s3.server.url) as proxy:
+        env.update(s3.env, AWS_ENDPOINT_URL=proxy.url)
+        proxy.inject("503", 1, "GET", r"seq64/manifest\.json")
+        proxy.inject("reset_mid", 2, "GET", r"seq64/train-0000[01]\.tar", after_bytes=4096)
+        proxy.inject("503", 2, "PUT", r"mp_rank_00_model_states\.pt")
+        proxy.inject("reset", 2, "PUT", r"bertpipe_rank00000\.json")
+        proxy.inject("503", 1, "PUT", r"checkpoints/latest")
+        stopped = subprocess.run(
+            _pretrain_cmd(args),
+            env={**env, ckpt.FAULT_IN_SAVE: "term-upload:global_step4"},
+            capture_output=True,
+            text=True,
+        )
+        assert stopped.returncode == 143, stopped.stderr[-3000:]
+        assert proxy.pending == 0 and sum(proxy.served.values()) == 8, proxy.served
+        latest = ckpt.latest_tag(folder)
+        assert latest is not None and 4 < int(latest.removeprefix("global_step")) < 24
+        assert ckpt.latest_complete_tag(folder) == latest
+        assert "checkpoint global_step4 published" in stopped.stderr  # the one in flight
+        index = json.loads(ckpt._Folder(folder).read_text(ckpt.INDEX_FILE) or "[]")
+        assert [e["tag"] for e in index] == [latest]  # keep_last=1: pruned on the store
+        assert ckpt.tags(folder) == [latest]
+        assert not list((tmp_path / "staging").rglob("*.pt"))  # uploaded, then cleared
+
+        # resume from `latest` in a fresh process, its downloads throttled and cut off too
+        proxy.inject("503", 2, "GET", r"mp_rank_00_model_states\.pt")
+        proxy.inject("reset_mid", 1, "GET", r"optim_states\.pt", after_bytes=4096)
+        again = subprocess.run(_pretrain_cmd(args), env=env, capture_output=True, text=True)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert proxy.pending == 0, proxy.served
+    state, _ = ckpt.read_state(folder, "global_step28", 0)
     ref_state, _ = ckpt.read_state(str(reference / "checkpoints"), "global_step28", 0)
     assert state.mlflow_run_id is not None
     want = _history(ref_uri, ref_state.mlflow_run_id, "train/loss")
