@@ -1,8 +1,9 @@
 """Preprocessing from and to object storage (issue 16): a corpus in an S3 bucket, the tokenizer
-trained from it into the bucket, and the Beam job writing its shards there on the direct
-runner's worker processes and on a Dask cluster. The server is real HTTP S3 with
-authentication (:mod:`tests.s3`), reached as MinIO or Ceph users reach theirs: through
-``AWS_ENDPOINT_URL`` and keys in the environment, which every worker process must inherit.
+trained from it into the bucket, and the Beam job writing its shards there on a Dask cluster
+(on the direct runner's worker processes: ``tests/storage/test_s3_flow.py``). The server is
+real HTTP S3 with authentication (:mod:`tests.s3`), reached as MinIO or Ceph users reach
+theirs: through ``AWS_ENDPOINT_URL`` and keys in the environment, which every worker process
+must inherit.
 
 The shards and the manifest's statistics must be byte-identical to the same job on local disk,
 and no scratch (``_spill``, ``_parts``, ``_progress``) may be left in the bucket.
@@ -14,7 +15,6 @@ import contextlib
 import hashlib
 import json
 import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -133,48 +133,6 @@ def _assert_same_as_local(job: Job, output: str) -> None:
     assert {k: v for k, v in got["config"].items() if k not in ("input", "tokenizer")} == {
         k: v for k, v in want["config"].items() if k not in ("input", "tokenizer")
     }
-
-
-class _ChildEnvWatch:
-    """Records the S3 endpoint in the environment of every descendant process of this one
-    (read from /proc while the job runs): the direct runner's worker processes."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, str | None] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import psutil
-
-        me = psutil.Process()
-        while not self._stop.wait(0.05):
-            for child in me.children(recursive=True):
-                if child.pid in self.seen:
-                    continue
-                with contextlib.suppress(psutil.Error):
-                    if "sdk_worker" in " ".join(child.cmdline()):
-                        self.seen[child.pid] = child.environ().get("AWS_ENDPOINT_URL")
-
-    def __enter__(self) -> _ChildEnvWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def test_direct_runner_two_worker_processes_s3_to_s3(s3_env: Job) -> None:
-    output = f"{s3_env.bucket}/direct"
-    with _ChildEnvWatch() as watch:
-        run_preprocess(
-            _cfg(s3_env.corpus, s3_env.tokenizer, output),
-            ["--direct_running_mode=multi_processing", "--direct_num_workers=2"],
-        )
-    assert len(watch.seen) >= 2, watch.seen  # the workers (and the shells that start them)
-    assert set(watch.seen.values()) == {os.environ["AWS_ENDPOINT_URL"]}
-    _assert_same_as_local(s3_env, output)
 
 
 def test_dask_two_workers_s3_to_s3(s3_env: Job) -> None:

@@ -4,38 +4,46 @@ s3:// corpus, preprocess s3 -> s3 on 2 Beam worker processes, pre-training strea
 shards from s3 with its checkpoints there, export from s3 to s3 (registered), fine-tuning
 from the s3 export with its checkpoints on s3. Every stage is the real CLI in a child process
 that knows the store only through AWS_ENDPOINT_URL and its keys, as a MinIO or Ceph user's
-job would."""
+job would (the stages run through the CLI's ``main`` in the test's process)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
+import logging
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import WORDS, MlflowServer, synthetic_documents, write_sentence_files
-from tests.training.test_pretrain import _env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def _bertpipe(s3, *args: str) -> dict:  # type: ignore[type-arg]
-    env = {**_env(), **s3.env, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+@pytest.fixture(autouse=True)
+def _keep_logging() -> Iterator[None]:
+    """main() sets up logging; put the root logger back afterwards."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def _bertpipe(s3, capfd: pytest.CaptureFixture[str], *args: str) -> dict:  # type: ignore[type-arg]
+    """``bertpipe ARGS`` (the CLI's main, in this process: the stages' own processes, Beam's
+    workers, see the same environment); its JSON summary. Nothing it prints holds a secret."""
+    from bertpipe.app.cli import main
+
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "bertpipe.app.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, (args[0], done.stderr[-4000:])
-    print("TIMING", args[0], time.monotonic() - started)
-    assert s3.env["AWS_SECRET_ACCESS_KEY"] not in done.stdout + done.stderr
-    lines = [line for line in done.stdout.strip().splitlines() if line.startswith("{")]
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    assert code == 0, (args[0], err[-4000:])
+    assert s3.env["AWS_SECRET_ACCESS_KEY"] not in out + err
+    print(f"{args[0]}: {time.monotonic() - started:.1f} s", file=sys.__stderr__)
+    lines = [line for line in out.strip().splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
 
 
@@ -50,9 +58,13 @@ def _task(folder: Path) -> tuple[Path, Path]:
     return folder / "train.jsonl", folder / "dev.jsonl"
 
 
-def test_whole_flow_on_s3(s3, tmp_path: Path) -> None:
+def test_whole_flow_on_s3(
+    s3, tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import mlflow
     import s3fs
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 
     fs = s3fs.S3FileSystem()
     b = s3.bucket
@@ -64,10 +76,11 @@ def test_whole_flow_on_s3(s3, tmp_path: Path) -> None:
     server.start()
     try:
         track = [f"tracking.uri={server.uri}", "tracking.experiment=s3-flow"]
-        _bertpipe(s3, "tokenizer", "train", f"input.paths=[{b}/corpus]", f"output={b}/tokenizer",
-                  "vocab_size=400", "min_frequency=1", *track)  # fmt: skip
+        _bertpipe(s3, capfd, "tokenizer", "train", f"input.paths=[{b}/corpus]",
+                  f"output={b}/tokenizer", "vocab_size=400", "min_frequency=1",
+                  *track)  # fmt: skip
         stats = _bertpipe(
-            s3, "preprocess", f"input.paths=[{b}/corpus]", f"tokenizer={b}/tokenizer",
+            s3, capfd, "preprocess", f"input.paths=[{b}/corpus]", f"tokenizer={b}/tokenizer",
             f"output={b}/shards", "dupe_factor=2", "heldout_fraction=0.1", *track,
             "phases=[{name: seq64, max_seq_length: 64, max_predictions_per_seq: 10, "
             "num_shards: 4}]", "--", "--direct_running_mode=multi_processing",
@@ -76,7 +89,7 @@ def test_whole_flow_on_s3(s3, tmp_path: Path) -> None:
         assert stats["seq64"]["shards"] == 4
         assert fs.exists(f"{b}/shards/seq64/manifest.json")
         summary = _bertpipe(
-            s3, "pretrain", f"output={b}/pretrain", "model.preset=tiny",
+            s3, capfd, "pretrain", f"output={b}/pretrain", "model.preset=tiny",
             "model.max_position_embeddings=128", "precision=fp32", "zero.stage=0",
             f"phases=[{{name: phase1, data: {b}/shards/seq64, max_steps: 6, "
             "micro_batch_size: 8, global_batch_size: 8, learning_rate: 1.0e-3, warmup: 0.5}]",
@@ -87,7 +100,7 @@ def test_whole_flow_on_s3(s3, tmp_path: Path) -> None:
         checkpoints = f"{b}/pretrain/checkpoints"
         assert fs.cat(f"{checkpoints}/latest") == b"global_step6"
         info = _bertpipe(
-            s3, "export", checkpoints, f"{b}/export", "--register", "bert-s3",
+            s3, capfd, "export", checkpoints, f"{b}/export", "--register", "bert-s3",
             "--tracking-uri", server.uri,
         )  # fmt: skip
         assert info["registered_model"] == "bert-s3/1"
@@ -96,7 +109,7 @@ def test_whole_flow_on_s3(s3, tmp_path: Path) -> None:
 
         train, dev = _task(tmp_path / "task")
         _bertpipe(
-            s3, "finetune", f"init_from={b}/export", f"output={tmp_path / 'finetune'}",
+            s3, capfd, "finetune", f"init_from={b}/export", f"output={tmp_path / 'finetune'}",
             "task.family=table", "task.name=parity", f"task.train={train}",
             f"task.dev=[{dev}]", "epochs=2", "batch_size=8", "learning_rate=1e-3",
             f"checkpoint.dir={b}/finetune/checkpoints", "checkpoint.every_steps=2",
