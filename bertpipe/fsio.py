@@ -23,9 +23,11 @@ answer is abandoned and retried after 15 s), and s3fs's own retry loop around ev
 (5 attempts, 0.1-0.8 s apart), which retries ``SlowDown`` once botocore gave up and, unlike
 botocore, a download cut off in the middle of the body (``open``/``get_file`` reads; not
 ``cat_file`` of an object above the block size, whose parts s3fs 2026.9 reads outside that
-loop: :func:`open_url` is what the stages use). To change a default, set the key:
-``FSSPEC_S3='{"config_kwargs": {"retries": {"mode": "adaptive", "total_max_attempts": 10},
-"read_timeout": 60}}'`` (a user's ``retries`` replaces the default one whole).
+loop: the loader's shard reads, which use ``cat_file``, are wrapped in :func:`retried`, to
+which that cut-off (aiohttp's ``ClientPayloadError``) is transient). To change a default,
+set the key, e.g. ``FSSPEC_S3='{"config_kwargs": {"retries": {"mode": "adaptive",
+"total_max_attempts": 10}, "read_timeout": 60}}'`` (a user's ``retries`` replaces the default
+one whole).
 Storage that refuses bertpipe (missing bucket, credentials refused, endpoint unreachable)
 is reported in one line naming the URL (:mod:`bertpipe.storage_check`).
 """

@@ -6,6 +6,7 @@ cached in the project, tokenizers without fork warnings, MLflow never at a defau
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -151,6 +152,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def end_process_group(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """SIGTERM to the process group ``proc`` leads (a server and its workers), SIGKILL after
+    ``timeout`` seconds; reaped either way."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        proc.wait()
+
+
+@pytest.fixture
+def keep_logging() -> Iterator[None]:
+    """For tests that call the CLI's ``main`` (which sets up logging): the root logger is
+    put back afterwards."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def parity_task(folder: Path) -> tuple[Path, Path]:
+    """A two-class table task in the synthetic corpus's words (its tokenizer knows them):
+    ``train.jsonl`` and ``dev.jsonl`` in ``folder``."""
+    import json
+
+    rows = []
+    for i in range(48):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6)]
+        rows.append({"text": " ".join(words), "label": "even" if i % 2 == 0 else "odd"})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:16]))
+    return folder / "train.jsonl", folder / "dev.jsonl"
+
+
 class MlflowServer:
     """A real ``mlflow server`` (sqlite backend with model registry, artifacts served from
     ``<folder>/server-artifacts``) on a fixed free port, which a test can stop and start
@@ -209,14 +249,7 @@ class MlflowServer:
         if self.proc is None:
             return
         proc, self.proc = self.proc, None
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            proc.wait()
+        end_process_group(proc, 30)
         deadline = time.monotonic() + 30  # until the port refuses connections
         while time.monotonic() < deadline:
             try:

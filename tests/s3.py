@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -118,15 +117,10 @@ class S3Server:
     def stop(self) -> None:
         if self.proc is None:
             return
+        from tests.conftest import end_process_group
+
         proc, self.proc = self.proc, None
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            proc.wait()
+        end_process_group(proc, 20)
 
 
 def running_server(log_dir: Path) -> Iterator[S3Server]:

@@ -114,7 +114,8 @@ def test_download_to_a_file_survives_resets(s3, s3_conf, proxy, tmp_path: Path) 
 @pytest.mark.xfail(
     strict=True,
     reason="s3fs 2026.9 cat_file of an object above its block size reads the part bodies "
-    "outside its retry loop: a reset mid-body fails it (bertpipe reads through open_url)",
+    "outside its retry loop: a reset mid-body fails it (bertpipe's shard reads, cat_file, "
+    "are retried by bertpipe's own loop: aiohttp's PayloadError is transient)",
 )
 def test_concurrent_cat_file_survives_a_reset_mid_body(s3, s3_conf, proxy) -> None:
     data = _data(4 * MiB, seed=2)

@@ -9,27 +9,20 @@ job would (the stages run through the CLI's ``main`` in the test's process)."""
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import WORDS, MlflowServer, synthetic_documents, write_sentence_files
+from tests.conftest import (
+    MlflowServer,
+    parity_task,
+    synthetic_documents,
+    write_sentence_files,
+)
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture(autouse=True)
-def _keep_logging() -> Iterator[None]:
-    """main() sets up logging; put the root logger back afterwards."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("keep_logging")]
 
 
 def _bertpipe(s3, capfd: pytest.CaptureFixture[str], *args: str) -> dict:  # type: ignore[type-arg]
@@ -45,17 +38,6 @@ def _bertpipe(s3, capfd: pytest.CaptureFixture[str], *args: str) -> dict:  # typ
     print(f"{args[0]}: {time.monotonic() - started:.1f} s", file=sys.__stderr__)
     lines = [line for line in out.strip().splitlines() if line.startswith("{")]
     return json.loads(lines[-1]) if lines else {}
-
-
-def _task(folder: Path) -> tuple[Path, Path]:
-    rows = []
-    for i in range(48):
-        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6)]
-        rows.append({"text": " ".join(words), "label": "even" if i % 2 == 0 else "odd"})
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:16]))
-    return folder / "train.jsonl", folder / "dev.jsonl"
 
 
 def test_whole_flow_on_s3(
@@ -107,7 +89,7 @@ def test_whole_flow_on_s3(
         assert fs.exists(f"{b}/export/model.safetensors")
         assert fs.exists(f"{b}/export/bertpipe_export.json")
 
-        train, dev = _task(tmp_path / "task")
+        train, dev = parity_task(tmp_path / "task")
         _bertpipe(
             s3, capfd, "finetune", f"init_from={b}/export", f"output={tmp_path / 'finetune'}",
             "task.family=table", "task.name=parity", f"task.train={train}",

@@ -5,8 +5,6 @@ models load back with `mlflow.pytorch.load_model` and compute what the originals
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,19 +12,9 @@ import torch
 
 from bertpipe.app.cli import main
 from bertpipe.config import load_config
-from tests.conftest import WORDS, free_port
+from tests.conftest import free_port, parity_task
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-@pytest.fixture(autouse=True)
-def _keep_logging() -> Iterator[None]:
-    """main() sets up logging; put the root logger back afterwards."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("keep_logging")]
 
 
 def _pretrain(shards: Path, out: Path, uri: str) -> Path:
@@ -54,18 +42,6 @@ def _pretrain(shards: Path, out: Path, uri: str) -> Path:
     )
     run_pretraining(cfg)
     return Path(cfg.checkpoint_dir)
-
-
-def _task(folder: Path) -> tuple[Path, Path]:
-    """A two-class table task in the synthetic corpus's words (its tokenizer knows them)."""
-    rows = []
-    for i in range(48):
-        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(6)]
-        rows.append({"text": " ".join(words), "label": "even" if i % 2 == 0 else "odd"})
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:16]))
-    return folder / "train.jsonl", folder / "dev.jsonl"
 
 
 def _inputs(vocab_size: int) -> dict[str, torch.Tensor]:
@@ -126,7 +102,7 @@ def test_export_and_finetune_register_models_that_load_back(
     assert torch.equal(want.nsp_logits, got.nsp_logits)
 
     # fine-tune from the export: lineage tag, and the best model registered
-    train, dev = _task(tmp_path / "task")
+    train, dev = parity_task(tmp_path / "task")
     cfg = load_config(
         FinetuneConfig,
         None,
