@@ -8,7 +8,7 @@ from typing import Literal
 
 from bertpipe.config import ConfigError
 from bertpipe.tracking import TrackingConfig
-from bertpipe.training.config import CheckpointConfig, ZeroConfig
+from bertpipe.training.config import CheckpointConfig, DistributedConfig, ZeroConfig
 
 __all__ = ["FinetuneConfig", "SweepSpec", "TaskConfig"]
 
@@ -144,6 +144,7 @@ class FinetuneConfig:
     save_model: bool = True
     """Save the best epoch's model (an HF folder) and log it to MLflow."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     """Checkpoints of the run, as pre-training's: every ``every_steps`` optimizer steps and
     on SIGTERM (then exit status 143), in ``<output>/checkpoints`` unless ``dir`` is set. A
     run started again with the same ``output`` continues from the latest one

@@ -19,6 +19,7 @@ from bertpipe.tracking import TrackingConfig
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "DistributedConfig",
     "EvalConfig",
     "ModelSpec",
     "OptimizerConfig",
@@ -259,6 +260,24 @@ class EvalConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """How the ranks of a multi-process job watch each other (:mod:`bertpipe.training.peers`)."""
+
+    peer_timeout_s: float = 120.0
+    """A rank whose heartbeat has not moved for this long (its process or host is gone, or
+    its link down) ends the job: every other rank prints one line naming it and exits with
+    status 75, for the scheduler to restart the job from ``latest``. Well under the process
+    group's 30-minute timeout; long enough for a busy host's thread to beat (it beats every
+    sixth of this). 0: no heartbeat (only the process group's timeout)."""
+
+    def __post_init__(self) -> None:
+        if self.peer_timeout_s < 0:
+            raise ConfigError("peer_timeout_s", "must be 0 (off) or a number of seconds")
+        if 0 < self.peer_timeout_s < 2:
+            raise ConfigError("peer_timeout_s", "must be at least 2 seconds (or 0: off)")
+
+
+@dataclass
 class CheckpointConfig:
     """DeepSpeed checkpoints: the engine's own layout plus bertpipe's client state."""
 
@@ -343,6 +362,7 @@ class PretrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     log_every_steps: int = 10
     """Log metrics every N optimizer steps."""
     max_bad_steps: int = 20
