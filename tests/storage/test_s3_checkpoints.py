@@ -1,5 +1,5 @@
 """Checkpoints on a real S3 server (``checkpoint.dir=s3://…``), shards streamed from it too:
-a 2-rank run (2 loader workers per rank) killed in the middle of an upload resumes from the
+a 2-rank run killed in the middle of an upload resumes from the
 previous complete checkpoint bit for bit; a checkpoint missing one rank's file is skipped
 with a log line; a rank that never uploads keeps the checkpoint unpublished. SIGTERM in the
 middle of an upload, through injected storage faults:
@@ -81,7 +81,7 @@ def test_two_ranks_killed_mid_upload_resume_exactly(
 ) -> None:
     shards = _upload_shards(s3, pretrain_shards)
     folder = f"{s3.bucket}/run/checkpoints"
-    cfg = _config(tmp_path, shards, folder, steps=12, data__num_workers=2)
+    cfg = _config(tmp_path, shards, folder, steps=12)
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29661",
            str(BIN / "bertpipe"), "pretrain", "--config", str(cfg)]  # fmt: skip
     killed = _run(cmd, s3, fault="kill-upload:global_step8")

@@ -93,72 +93,30 @@ def _assert_one_two_rank_job(out: Path, rank0_log: str, launcher_line: str) -> N
     assert launcher_line in rank0_log, rank0_log[-3000:]
 
 
-def test_srun_and_mpirun_environments_form_one_job(pretrain_shards: Path, tmp_path: Path) -> None:
-    """Two processes with srun's variables, two with OpenMPI's, both pairs at once."""
+def test_mpirun_environment_forms_one_job(pretrain_shards: Path, tmp_path: Path) -> None:
+    """Two processes with OpenMPI's variables form one 2-rank job (srun's variables, and
+    torchrun: across two test hosts, tests/multihost/test_launch_paths.py)."""
     bertpipe = str(BIN / "bertpipe")
     assert Path(bertpipe).exists(), "bertpipe must be installed (make install)"
-    slurm_port = _free_port(20000, 40000)
-    job_id = str(slurm_port - 20000 + 40000)  # 20000 + job_id % 20000 == slurm_port
     mpi_port = _free_port(40000, 50000)
     procs: dict[Path, subprocess.Popen[bytes]] = {}
-    jobs = {}
-    for name in ("srun", "mpirun"):
-        jobs[name] = tmp_path / name
-        cmd = [bertpipe, *_job(pretrain_shards, jobs[name])]
-        for rank in (0, 1):
-            if name == "srun":
-                extra = {
-                    "SLURM_JOB_ID": job_id,
-                    "SLURM_STEP_ID": "0",
-                    "SLURM_PROCID": str(rank),
-                    "SLURM_LOCALID": str(rank),
-                    "SLURM_NODEID": "0",
-                    "SLURM_NTASKS": "2",
-                    "SLURM_STEP_NUM_TASKS": "2",
-                    "SLURM_NTASKS_PER_NODE": "2",
-                    "SLURM_JOB_NODELIST": "localhost",
-                }
-            else:
-                extra = {
-                    "OMPI_COMM_WORLD_RANK": str(rank),
-                    "OMPI_COMM_WORLD_SIZE": "2",
-                    "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
-                    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-                    "MASTER_PORT": str(mpi_port),  # `mpirun -x MASTER_PORT=...`
-                }
-            log = jobs[name] / f"log{rank}"
-            procs[log] = _start(cmd, _child_env(extra), log)
+    job = tmp_path / "mpirun"
+    cmd = [bertpipe, *_job(pretrain_shards, job)]
+    for rank in (0, 1):
+        extra = {
+            "OMPI_COMM_WORLD_RANK": str(rank),
+            "OMPI_COMM_WORLD_SIZE": "2",
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            "MASTER_PORT": str(mpi_port),  # `mpirun -x MASTER_PORT=...`
+        }
+        log = job / f"log{rank}"
+        procs[log] = _start(cmd, _child_env(extra), log)
     _wait(procs)
     _assert_one_two_rank_job(
-        jobs["srun"],
-        (jobs["srun"] / "log0").read_text(),
-        f"launcher: srun, rank 0 of 2, local 0, master localhost:{slurm_port}",
-    )
-    _assert_one_two_rank_job(
-        jobs["mpirun"],
-        (jobs["mpirun"] / "log0").read_text(),
+        job,
+        (job / "log0").read_text(),
         f"launcher: mpirun (OpenMPI), rank 0 of 2, local 0, master 127.0.0.1:{mpi_port}",
-    )
-
-
-def test_torchrun_forms_one_job(pretrain_shards: Path, tmp_path: Path) -> None:
-    out = tmp_path / "torchrun"
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(port),
-        str(BIN / "bertpipe"),
-        *_job(pretrain_shards, out),
-    ]
-    log = out / "log"
-    _wait({log: _start(cmd, _child_env({}), log)})
-    _assert_one_two_rank_job(
-        out, log.read_text(), f"launcher: torchrun, rank 0 of 2, local 0, master 127.0.0.1:{port}"
     )
 
 
