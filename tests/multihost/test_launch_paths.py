@@ -37,7 +37,7 @@ from bertpipe.training import checkpoint as ckpt
 from tests.netns import NetnsUnavailableError, SshKeys, TestHosts, host_names, start_sshd
 from tests.training.test_pretrain import _cfg, _env, _history
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.launch_paths]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.multihost]
 
 BIN = Path(sys.executable).parent  # the environment's scripts, activated or not
 STEPS = 3

@@ -23,7 +23,7 @@ from tests.netns import TestHosts, host_names
 from tests.training.test_crash_faults import _losses_twice_equal
 from tests.training.test_pretrain import _cfg, _env
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.multihost]
 
 PEER_TIMEOUT_S = 6
 
