@@ -70,7 +70,7 @@ from bertpipe.training.guard import SkipGuard
 from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.model import BertModelConfig
 from bertpipe.training.optim import warmup_decay
-from bertpipe.training.peers import PeerMonitor, lost_peer_error
+from bertpipe.training.peers import watched
 from bertpipe.training.resume import (
     FINETUNE_FIXED,
     changed_settings,
@@ -846,17 +846,9 @@ def run_finetuning(
     info = init_distributed()
     cfg.micro_batch(info.world_size)
     finetuner = Finetuner(cfg, info, faults)
-    monitor = PeerMonitor.for_job(info.rank, info.world_size, cfg.distributed.peer_timeout_s)
     try:
-        return finetuner.run(nested_in=nested_in, run_name=run_name, upload_model=upload_model)
+        with watched(info.rank, info.world_size, cfg.distributed.peer_timeout_s):
+            return finetuner.run(nested_in=nested_in, run_name=run_name, upload_model=upload_model)
     except PreemptedError as exc:
         log.warning("%s; run the same command (output=%s) to continue", exc, finetuner.output)
         raise
-    except Exception as exc:  # a collective that failed because a peer went away: exit 75
-        lost = lost_peer_error(monitor, exc)
-        if lost is not None:
-            raise lost from exc
-        raise
-    finally:
-        if monitor is not None:
-            monitor.stop()

@@ -37,13 +37,14 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from bertpipe.errors import TransientError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PeerLostError", "PeerMonitor", "is_comm_error", "lost_peer_error"]
+__all__ = ["PeerLostError", "PeerMonitor", "is_comm_error", "lost_peer_error", "watched"]
 
 PREFIX = "bertpipe/peers"
 EXIT_CODE = 75
@@ -200,6 +201,25 @@ class PeerMonitor:
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os._exit(EXIT_CODE)  # the training thread may be blocked inside a collective
+
+
+@contextlib.contextmanager
+def watched(rank: int, world_size: int, timeout_s: float) -> Iterator[PeerMonitor | None]:
+    """A run of this rank under its heartbeat (:meth:`PeerMonitor.for_job`): a collective
+    that fails in the block because a peer went away becomes :class:`PeerLostError` (exit
+    75); the heartbeat stops when the block ends, before the ranks' last barrier, so that no
+    rank outlives its peers' heartbeats."""
+    monitor = PeerMonitor.for_job(rank, world_size, timeout_s)
+    try:
+        yield monitor
+    except Exception as exc:
+        lost = lost_peer_error(monitor, exc)
+        if lost is not None:
+            raise lost from exc
+        raise
+    finally:
+        if monitor is not None:
+            monitor.stop()
 
 
 _COMM_WORDS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "socket")

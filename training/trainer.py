@@ -46,7 +46,7 @@ from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.metrics import Window, loss_scale, memory_metrics
 from bertpipe.training.model import BertForPreTraining, compile_layers
 from bertpipe.training.optim import client_optimizer, reset_step_counters
-from bertpipe.training.peers import PeerMonitor, lost_peer_error
+from bertpipe.training.peers import watched
 from bertpipe.training.phases import model_config, read_phase_data
 from bertpipe.training.resume import (
     PRETRAIN_FIXED,
@@ -596,20 +596,12 @@ def run_pretraining(cfg: PretrainConfig, faults: Faults | None = None) -> dict[s
                 fsio.join(cfg.output, f"ds_config_{phase.name}.json"),
                 json.dumps(trainer.engine_spec(i).ds_config(), indent=2),
             )
-    monitor = PeerMonitor.for_job(info.rank, info.world_size, cfg.distributed.peer_timeout_s)
     try:
-        summary = trainer.run()
+        with watched(info.rank, info.world_size, cfg.distributed.peer_timeout_s):
+            summary = trainer.run()
     except PreemptedError as exc:
         log.warning("%s", exc)
         raise
-    except Exception as exc:  # a collective that failed because a peer went away: exit 75
-        lost = lost_peer_error(monitor, exc)
-        if lost is not None:
-            raise lost from exc
-        raise
-    finally:
-        if monitor is not None:  # before the ranks' last barrier: none outlives its peers'
-            monitor.stop()
     if info.is_main:
         fsio.atomic_write_text(fsio.join(cfg.output, "summary.json"), json.dumps(summary, indent=2))
     return summary
