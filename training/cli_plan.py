@@ -333,16 +333,17 @@ def _link_text(t: StepTime) -> str:
 def _check_hardware(cfg: PretrainConfig, gpu: str | None) -> None:
     """Precision and fused ops against ``--gpu``; without it against this machine's GPU, or
     its CPU when DS_ACCELERATOR=cpu says the run is a CPU run. A login node without GPUs
-    planning a GPU job is not held to its own CPU."""
-    import torch
+    planning a GPU job is not held to its own CPU. torch is imported only to look at this
+    machine (about 2 s: ``plan`` is the gate in front of every launch)."""
+    from bertpipe.training.hardware import Hardware, check_hardware, gpu_by_name, local_hardware
 
-    from bertpipe.training.hardware import check_hardware, gpu_by_name, local_hardware
-
+    hw: Hardware | None
     if gpu is not None:
         hw = gpu_by_name(gpu)
-    elif torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR", "").lower() == "cpu":
-        hw = local_hardware()
     else:
-        hw = None
+        import torch
+
+        local = torch.cuda.is_available() or os.environ.get("DS_ACCELERATOR", "").lower() == "cpu"
+        hw = local_hardware() if local else None
     if hw is not None:
         check_hardware(hw, precision=cfg.precision, fused=cfg.optimizer.fused)

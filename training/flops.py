@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bertpipe.training.model import BertModelConfig
+from bertpipe.training.model_config import BertModelConfig
 
 __all__ = ["PEAK_TFLOPS", "mfu", "peak_flops", "training_flops", "training_flops_per_sequence"]
 

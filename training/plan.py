@@ -27,7 +27,7 @@ from bertpipe.errors import BertpipeError
 from bertpipe.formatting import format_hmm
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.flops import peak_flops, training_flops_per_sequence
-from bertpipe.training.model import BertModelConfig
+from bertpipe.training.model_config import BertModelConfig
 from bertpipe.training.plan_options import DEFAULT_SEQ_LENS, DEFAULT_VOCAB_SIZE, PlanOptions
 
 if TYPE_CHECKING:  # the loader module imports webdataset: only when a manifest is read

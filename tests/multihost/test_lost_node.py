@@ -102,9 +102,9 @@ def test_lost_node_exits_75_and_zero3_resumes_and_exports(
     # the same training at stage 0 (2 ranks on one host): export gives the same logits
     zero0 = tmp_path / "zero0"
     cfg0 = _config(pretrain_shards, zero0)
-    deepspeed = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    torchrun = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port())]
     done = subprocess.run(
-        [*deepspeed, str(BIN / "bertpipe"), "pretrain", "--config", str(cfg0),
+        [*torchrun, str(BIN / "bertpipe"), "pretrain", "--config", str(cfg0),
          "only_phase=phase1", "zero.stage=0"],
         env={**_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
         timeout=TIMEOUT_S,

@@ -24,6 +24,7 @@ from bertpipe.training.guard import guard_updates as _skip_nonfinite_updates
 from bertpipe.training.guard import poisoned as _poisoned
 from bertpipe.training.guard import weights_finite as _weights_finite
 from bertpipe.training.trainer import run_pretraining
+from tests.conftest import free_port
 from tests.training.test_pretrain import _cfg, _env, _history, _overrides, _pretrain_cmd
 
 pytestmark = pytest.mark.integration
@@ -224,7 +225,9 @@ def test_nan_on_one_rank_is_skipped_on_both(
     cfg = _cfg(pretrain_shards, tmp_path / "run", uri, steps=6, zero__stage=stage)
     (tmp_path / "cfg.yaml").write_text(to_yaml(cfg))
     env = {**_env(), FAULT_NAN_STEPS: "3", FAULT_RANK: "1"}
-    cmd = [str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(29641 + stage)]
+    # torchrun: two interpreter start-ups fewer than the deepspeed launcher (which the
+    # launcher tests cover)
+    cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port())]
     cmd += [str(bin_dir / "bertpipe"), "pretrain", "--config", str(tmp_path / "cfg.yaml")]
     proc = subprocess.run(
         [*cmd, "only_phase=phase1"], env=env, capture_output=True, text=True, timeout=600

@@ -470,3 +470,22 @@ def test_cli_world_from_launcher_environment(
     plan = json.loads(out.strip().splitlines()[-1])
     assert (plan["nodes"], plan["gpus_per_node"]) == (2, 8)
     assert [p["seq_len"] for p in plan["phases"]] == [64, 256]
+
+
+def test_plan_with_a_named_gpu_does_not_import_torch() -> None:
+    """``bertpipe plan`` gates every multi-node launch (bertpipe-preflight runs it twice):
+    importing torch would be 2 of its ~2.5 s. torch is imported only to look at this machine
+    (no ``--gpu``)."""
+    import subprocess
+    import sys
+
+    config = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "config" / "pretrain.yaml"
+    code = (
+        "import sys; from bertpipe.app.cli import main; "
+        f"rc = main(['plan', '--config', {str(config)!r}, '--nodes', '4', "
+        "'--gpus-per-node', '8', '--gpu', 'h100']); "
+        "sys.exit(rc or (3 if 'torch' in sys.modules else 0))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "32 GPUs = 4 nodes x 8" in proc.stdout
