@@ -8,10 +8,19 @@ command may succeed, so schedulers retry it (docs/training.md, "Exit codes").
 
 from __future__ import annotations
 
-__all__ = ["TEMPFAIL_EXIT_CODE", "BertpipeError", "StorageAccessError", "TransientError"]
+__all__ = [
+    "TEMPFAIL_EXIT_CODE",
+    "TERMINATED_EXIT_CODE",
+    "BertpipeError",
+    "StorageAccessError",
+    "Terminated",
+    "TransientError",
+]
 
 TEMPFAIL_EXIT_CODE = 75
 """``EX_TEMPFAIL`` of sysexits.h: a temporary failure, the same command may succeed later."""
+TERMINATED_EXIT_CODE = 143
+"""128 + SIGTERM: what a shell and the schedulers report for a process stopped by SIGTERM."""
 
 
 class BertpipeError(Exception):
@@ -29,3 +38,9 @@ class StorageAccessError(BertpipeError):
     """Storage that refuses bertpipe for a reason retrying cannot fix: a missing bucket,
     credentials it does not accept, no permission, an endpoint that cannot be reached. The
     message names the URL and the setting to check, never a secret."""
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM turned into an exception (see :func:`bertpipe.tracking.lifecycle.start_run`),
+    so that ``finally`` blocks run and the stage's MLflow run ends KILLED instead of staying
+    RUNNING; the command line exits with :data:`TERMINATED_EXIT_CODE`."""

@@ -211,6 +211,16 @@ _SECRET_PARAMS = re.compile(
 _SECRET_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_PASSWORD")
 
 
+def common_root(urls: Sequence[str]) -> str:
+    """The folder holding all of ``urls`` (the file's folder for one URL; "" for none)."""
+    if not urls:
+        return ""
+    if len(urls) == 1:
+        return posixpath.dirname(urls[0])
+    prefix = posixpath.commonprefix(list(urls))
+    return prefix[: prefix.rfind("/")] if "/" in prefix else ""
+
+
 def redact(text: str) -> str:
     """``text`` with the password of every URL in it replaced by ``***``
     (``https://me:secret@host`` -> ``https://me:***@host``), and so are credential query

@@ -60,6 +60,7 @@ def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
         "metrics": result.metrics,
         "output": result.output,
         "registered_model": result.registered_model,
+        "mlflow_model_id": result.model_id,
     }
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0
@@ -112,6 +113,7 @@ def _sweep(args: argparse.Namespace, passthrough: list[str]) -> int:
         "output": result.output,
         "best_output": result.best.output,
         "registered_model": result.best.registered_model,
+        "mlflow_model_id": result.best.model_id,
     }
     sys.stdout.write(json.dumps(summary) + "\n")
     return 0

@@ -152,8 +152,9 @@ class FinetuneConfig:
     are deleted when the run completes (``best/`` and the predictions are its result)."""
     register: str | None = None
     """Register the best epoch's model under this name in MLflow's model registry (the
-    ``pytorch`` flavour: ``mlflow.pytorch.load_model("models:/NAME/VERSION")`` loads it back
-    where bertpipe is installed). A sweep registers its best trial's model only."""
+    ``transformers`` flavour, safetensors weights:
+    ``mlflow.transformers.load_model("models:/NAME/VERSION")`` loads it back without
+    bertpipe). A sweep registers its best trial's model only."""
     sweep: SweepSpec = field(default_factory=SweepSpec)
     """Used by ``bertpipe sweep`` only."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

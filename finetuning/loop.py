@@ -113,6 +113,8 @@ class Initialisation:
     """Label names of a task head already in ``init_from`` (a fine-tuned model), if any."""
     own_tokenizer_dir: str | None = None
     """The tokenizer that came with ``init_from`` (the export's, or the pre-training's)."""
+    model_id: str | None = None
+    """The MLflow logged model of ``init_from`` (``mlflow_model_id`` of an export), if any."""
 
 
 @dataclass
@@ -131,6 +133,10 @@ class FinetuneResult:
     """Optimizer steps done when the best epoch ended (the metrics' step axis)."""
     registered_model: str | None = None
     """``NAME/VERSION`` in MLflow's model registry, when ``register`` was set."""
+    model_id: str | None = None
+    """The best model as a logged model of the run (``m-...``; ``models:/<id>``), when it was
+    logged (``save_model``; a sweep: its best trial's, or every trial's with
+    ``keep_models=all``)."""
 
 
 def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
@@ -179,6 +185,7 @@ def _load_hf_initialisation(cfg: FinetuneConfig, source: Path, url: str) -> Init
         lineage.get("data_sha256", {}),
         labels,
         url,
+        lineage.get("mlflow_model_id"),
     )
 
 
@@ -503,6 +510,8 @@ class Finetuner:
             )
         with context as run:
             run_id = run.info.run_id if run is not None else None
+            if run_id is not None:
+                tracking.log_inputs(self._datasets(), [self.init.model_id or ""])
             if run_id is not None and changes:
                 step = self.resume.state.global_step if self.resume else 0
                 tracking.set_tags(mlflow_tags(changes, step))
@@ -518,6 +527,22 @@ class Finetuner:
             if removed:
                 log.info("run complete: removed its checkpoints %s", ", ".join(removed))
         return result
+
+    def _datasets(self) -> list[tracking.DatasetRef]:
+        """The task's files as the run's dataset inputs: the training file (its sha256 is
+        the one the run is tagged with) and each evaluation file."""
+        task, name = self.cfg.task, self.data.spec.name
+        train = tracking.DatasetRef(
+            name=f"{name}/train",
+            url=task.train,
+            sha256=self.train_sha256,
+            profile={"features": len(self.data.train["input_ids"]), "file": task.train},
+        )
+        dev = [
+            tracking.files_dataset(f"{name}/{d.name}", [d.path], content=True, context="evaluation")
+            for d in self.data.dev
+        ]
+        return [train, *dev]
 
     # ---------------------------------------------------------------- training
 
@@ -806,27 +831,61 @@ class Finetuner:
         if (self.output / "predictions").exists():
             tracking.log_artifacts(str(self.output / "predictions"), "predictions")
         best = self.output / "best"
-        if self.cfg.save_model and upload_model and best.exists():
-            tracking.log_artifacts(str(best), "model")
-        if self.cfg.register and best.exists():
-            result.registered_model = register_best(best, self.cfg.register)
+        wanted = self.cfg.register or (self.cfg.save_model and upload_model)
+        if wanted and best.exists() and result.run_id is not None:
+            logged = register_best(best, self.cfg.register, result.run_id)
+            if logged is not None:
+                result.model_id, result.registered_model = logged.model_id, logged.registered
 
 
-def register_best(folder: Path, name: str, run_id: str | None = None) -> str:
-    """Register the fine-tuned model in ``folder`` as a new version of ``name`` (linked to
-    ``run_id``, default the active run, which gets a ``bertpipe.registered_model`` tag);
-    returns ``NAME/VERSION``."""
+def register_best(
+    folder: Path, name: str | None, run_id: str, model_id: str | None = None
+) -> tracking.LoggedModelRef | None:
+    """Log the fine-tuned model in ``folder`` as the model output of run ``run_id`` (MLflow's
+    ``transformers`` flavour, the pipeline task of its head) and, with ``name``, register it as
+    a new version of ``name`` (the run gets a ``bertpipe.registered_model`` tag). A model
+    already logged (``model_id``: a sweep trial's) is registered, not logged again.
+
+    Without ``name`` tracking never stops the run: while the store is down (the open run's
+    buffer cannot be replayed), or if logging fails, the folder goes to the run as plain
+    artifacts ``model`` instead, through the buffer, and None is returned. With ``name`` any
+    failure is a :class:`~bertpipe.tracking.RegistryError` naming ``tracking.uri``."""
     import mlflow
 
-    version = tracking.register_pytorch_model(
-        load_task_model(folder), name, uri_key="tracking.uri", run_id=run_id
-    )
-    registered = f"{name}/{version}"
-    if run_id:
+    from bertpipe.tracking.client import quick_http
+    from bertpipe.tracking.lifecycle import current_outbox
+
+    if model_id is not None:  # logged already: register it (or nothing to do)
+        if name is None:
+            return tracking.LoggedModelRef(model_id, f"models:/{model_id}")
+        with quick_http(upload=True):
+            registered = tracking.register_logged_model(model_id, name, uri_key="tracking.uri")
         mlflow.MlflowClient().set_tag(run_id, TAG_REGISTERED, registered)
+        return tracking.LoggedModelRef(model_id, f"models:/{model_id}", registered)
+    outbox = current_outbox()
+    if outbox is not None and outbox.run_id != run_id:
+        outbox = None  # another run's (a sweep's parent): no buffer for this run
+    logged: tracking.LoggedModelRef | None = None
+    if name is None and outbox is not None and outbox.pending() and not outbox.replay():
+        log.warning("MLflow is down: the model of run %s is buffered as artifacts `model`", run_id)
     else:
-        mlflow.set_tag(TAG_REGISTERED, registered)
-    return registered
+        with quick_http(upload=True):
+            logged = tracking.log_hf_model(
+                folder,
+                task=tracking.hf_task(folder),
+                run_id=run_id,
+                name="model",
+                register=name,
+                uri_key="tracking.uri",
+            )
+    if logged is None:
+        if outbox is not None:  # the files at least, when the store answers again
+            log.info("uploading %s to run %s as plain artifacts `model` instead", folder, run_id)
+            tracking.log_artifacts(str(folder), "model")
+        return None
+    if logged.registered:
+        mlflow.MlflowClient().set_tag(run_id, TAG_REGISTERED, logged.registered)
+    return logged
 
 
 def run_finetuning(

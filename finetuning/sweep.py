@@ -7,10 +7,11 @@ trial's main metric and, at the end, the best trial (``best_run_id`` tag, ``best
 
 Models: with ``sweep.keep_models=best`` (the default) only the best trial's model is kept.
 A trial's ``best/`` folder is deleted as soon as another trial beats it (or when it does not
-beat the best so far), and no trial uploads its model while the sweep runs; at the end the
-winner's folder is uploaded to its own run (artifact ``model``) and, with ``register=NAME``,
-registered. ``keep_models=all`` keeps and uploads every trial's model. Predictions, metrics
-and params of every trial are kept either way.
+beat the best so far), and no trial logs its model while the sweep runs; at the end the
+winner's folder is logged as the model output of its own run (MLflow's ``transformers``
+flavour) and, with ``register=NAME``, that logged model is registered. ``keep_models=all``
+keeps every trial's model and logs it to the trial's run as it ends (the winner's is then the
+one registered). Predictions, metrics and params of every trial are kept either way.
 """
 
 from __future__ import annotations
@@ -146,19 +147,20 @@ def run_sweep(cfg: FinetuneConfig) -> SweepResult:
         point, best = results[best_index]
         best_model = Path(best.output) / "best"
         if parent is not None:
-            import mlflow
-
             for i, (_, r) in enumerate(results):
                 tracking.log_metrics({f"trial/{main}": r.metrics.get(main, math.nan)}, step=i)
             tracking.log_metrics({f"best/{k}": v for k, v in best.metrics.items()})
             tags = {"bertpipe.best_run_id": best.run_id or "", "bertpipe.main_metric": main}
             if best_model.exists():
                 tags["bertpipe.best_model_path"] = str(best_model.resolve())
-                if not keep_all and best.run_id:
-                    mlflow.MlflowClient().log_artifacts(best.run_id, str(best_model), "model")
-                if cfg.register:
-                    best.registered_model = register_best(best_model, cfg.register, best.run_id)
+                if best.run_id and (cfg.register or best.model_id is None):
+                    logged = register_best(best_model, cfg.register, best.run_id, best.model_id)
+                    if logged is not None:
+                        best.model_id, best.registered_model = logged.model_id, logged.registered
+                if best.registered_model:
                     tags[TAG_REGISTERED] = best.registered_model
+                if best.model_id:
+                    tags["bertpipe.best_model_id"] = best.model_id
             tracking.set_tags(tags)
             tracking.log_params({f"best.{k}": v for k, v in point.items()})
         log.info("sweep best: %s with %s = %.4f", point, main, best.metrics[main])

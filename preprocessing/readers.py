@@ -95,15 +95,6 @@ def relative_name(url: str, root: str) -> str:
     return posixpath.basename(url)
 
 
-def common_root(urls: list[str]) -> str:
-    if not urls:
-        return ""
-    if len(urls) == 1:
-        return posixpath.dirname(urls[0])
-    prefix = posixpath.commonprefix(urls)
-    return prefix[: prefix.rfind("/")] if "/" in prefix else ""
-
-
 def split_extension(url: str) -> tuple[str, str | None]:
     """The layout extension of ``url`` and its compression (``a.txt.gz`` -> ``.txt``, ``gzip``)."""
     name = posixpath.basename(url).lower()

@@ -22,6 +22,7 @@ from typing import Any
 from bertpipe import fsio, tracking
 from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
+from bertpipe.fsio import common_root
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
 from bertpipe.preprocessing.pipeline import (
     Plan,
@@ -32,7 +33,7 @@ from bertpipe.preprocessing.pipeline import (
     spill_folder,
 )
 from bertpipe.preprocessing.ranges import ReadRange, plan_ranges
-from bertpipe.preprocessing.readers import common_root, read_documents
+from bertpipe.preprocessing.readers import read_documents
 from bertpipe.preprocessing.tokenizer import (
     SpecialTokens,
     TokenizerMismatchError,
@@ -65,7 +66,11 @@ class NoTrainingDataError(BertpipeError):
 
 
 def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
-    """Train (or import) the WordPiece tokenizer and write it to ``cfg.output``."""
+    """Train (or import) the WordPiece tokenizer and write it to ``cfg.output``.
+
+    Its MLflow run spans the work: the corpus (or vocabulary file) is its dataset input, the
+    tokenizer its logged model output (tagged with its checksum, which is how preprocessing
+    runs find it as their model input)."""
     out_json = fsio.join(cfg.output, "tokenizer.json")
     if fsio.exists(out_json) and not cfg.overwrite:
         raise OutputExistsError(
@@ -73,6 +78,28 @@ def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
         )
     cfg.check_runnable()
     files = fsio.expand_urls(cfg.input.paths) if cfg.input.paths else []
+    with tracking.start_run(cfg.tracking, "tokenizer", config=cfg, run_name="tokenizer") as run:
+        if run is not None:
+            source = [cfg.vocab_file] if cfg.vocab_file else files
+            tracking.log_inputs(
+                [tracking.files_dataset("vocabulary" if cfg.vocab_file else "corpus", source)]
+            )
+        summary = _train_tokenizer(cfg, files)
+        if run is not None:
+            sha = summary["tokenizer_sha256"]
+            tracking.set_tags({tracking.TAG_TOKENIZER: sha})
+            tracking.log_metrics({k: v for k, v in summary.items() if k != "tokenizer_sha256"})
+            tracking.log_folder_model(
+                cfg.output,
+                run.info.run_id,
+                name="tokenizer",
+                model_type="tokenizer",
+                tags={tracking.TAG_TOKENIZER: sha},
+            )
+    return summary
+
+
+def _train_tokenizer(cfg: TokenizerConfig, files: list[str]) -> dict[str, Any]:
     started = time.monotonic()
     counts: Counter[str] = Counter()
     if cfg.vocab_file:
@@ -102,19 +129,6 @@ def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
         **dict(sorted(counts.items())),
     }
     log.info("tokenizer written to %s: %s", cfg.output, json.dumps(summary))
-    with tracking.start_run(
-        cfg.tracking,
-        "tokenizer",
-        config=cfg,
-        run_name="tokenizer",
-        tags={"bertpipe.tokenizer_sha256": summary["tokenizer_sha256"]},
-    ) as run:
-        if run is not None:
-            tracking.log_metrics({k: v for k, v in summary.items() if k != "tokenizer_sha256"})
-
-            for name in ("vocab.txt", "tokenizer_config.json"):
-                with fsio.open_url(fsio.join(cfg.output, name), "rt", encoding="utf-8") as f:
-                    tracking.log_text(f.read(), f"tokenizer/{name}")
     return summary
 
 
@@ -301,6 +315,42 @@ def run_preprocess(
         ", ".join(p.name for p in cfg.phases),
         json.dumps(plan.shards),
     )
+    files = sorted({r.url for r in ranges})
+    tags = {tracking.TAG_TOKENIZER: plan.tokenizer_sha256}
+    with tracking.start_run(
+        cfg.tracking, "preprocess", config=cfg, run_name="preprocess", tags=tags
+    ) as run:
+        if run is not None:  # what it reads: the corpus, and the tokenizer's logged model
+            tokenizer = tracking.find_model(
+                run.info.run_id, tracking.TAG_TOKENIZER, plan.tokenizer_sha256
+            )
+            tracking.log_inputs([tracking.files_dataset("corpus", files)], [tokenizer or ""])
+        manifests, seconds = _run_pipeline(cfg, beam_args, plan, ranges, text_bytes)
+        if run is not None:
+            _log_to_mlflow(manifests, seconds)
+            # the shards' tokenizer travels with them as this run's model: the manifests pin
+            # its checksum, and it is here even when it was imported or trained untracked
+            model_tags = {tracking.TAG_TOKENIZER: plan.tokenizer_sha256}
+            if tokenizer:
+                model_tags["bertpipe.source_model_id"] = tokenizer
+            tracking.log_folder_model(
+                cfg.tokenizer,
+                run.info.run_id,
+                name="tokenizer",
+                model_type="tokenizer",
+                tags=model_tags,
+            )
+    return manifests
+
+
+def _run_pipeline(
+    cfg: PreprocessConfig,
+    beam_args: Sequence[str],
+    plan: Plan,
+    ranges: list[ReadRange],
+    text_bytes: int,
+) -> tuple[dict[str, dict[str, Any]], float]:
+    """The Beam job, then its manifests read back (each with its ``_sha256``) and checked."""
     if cfg.overwrite:  # readers must never pair an old manifest with new shards
         fsio.remove(manifest_url(cfg.output, p.name) for p in cfg.phases)
     _remove_scratch(cfg)
@@ -336,11 +386,10 @@ def run_preprocess(
     )
     for manifest in manifests.values():
         _log_summary(manifest)
-    files = sorted({r.url for r in ranges})
     if empty:
+        files = sorted({r.url for r in ranges})
         raise NoTrainingDataError(_no_training_data(cfg, files, manifests, empty))
-    _log_to_mlflow(cfg, plan, manifests, seconds)
-    return manifests
+    return manifests, seconds
 
 
 def _forget_listings(url: str) -> None:
@@ -490,30 +539,24 @@ def _log_summary(manifest: dict[str, Any]) -> None:
         log.warning("%s: skipped input: %s", manifest["phase"], json.dumps(skipped))
 
 
-def _log_to_mlflow(
-    cfg: PreprocessConfig, plan: Plan, manifests: dict[str, dict[str, Any]], seconds: float
-) -> None:
-    tags = {"bertpipe.tokenizer_sha256": plan.tokenizer_sha256}
+def _log_to_mlflow(manifests: dict[str, dict[str, Any]], seconds: float) -> None:
+    """The open preprocess run: each phase's manifest checksum (tag), statistics (metrics)
+    and manifest (artifact)."""
+    tracking.set_tags(
+        {f"{tracking.TAG_DATA_CHECKSUM}.{name}": m["_sha256"] for name, m in manifests.items()}
+    )
+    metrics: dict[str, float] = {"seconds": seconds}
     for name, m in manifests.items():
-        tags[f"{tracking.TAG_DATA_CHECKSUM}.{name}"] = m["_sha256"]
-    with tracking.start_run(
-        cfg.tracking, "preprocess", config=cfg, run_name="preprocess", tags=tags
-    ) as run:
-        if run is None:
-            return
-
-        metrics: dict[str, float] = {"seconds": seconds}
-        for name, m in manifests.items():
-            for key, value in m["stats"]["corpus"].items():
-                metrics[f"corpus.{key}"] = value
-            for split in ("train", "heldout"):
-                for key, value in m["stats"][split].items():
-                    metrics[f"{name}.{split}.{key}"] = value
-                metrics[f"{name}.{split}.bytes"] = m["splits"][split]["bytes"]
-                metrics[f"{name}.{split}.num_shards"] = m["splits"][split]["num_shards"]
-            train = m["splits"]["train"]
-            if train["instances"]:
-                metrics[f"{name}.bytes_per_instance"] = train["bytes"] / train["instances"]
-            body = {k: v for k, v in m.items() if k != "_sha256"}
-            tracking.log_text(json.dumps(body, indent=2, sort_keys=True), f"manifests/{name}.json")
-        tracking.log_metrics(metrics)
+        for key, value in m["stats"]["corpus"].items():
+            metrics[f"corpus.{key}"] = value
+        for split in ("train", "heldout"):
+            for key, value in m["stats"][split].items():
+                metrics[f"{name}.{split}.{key}"] = value
+            metrics[f"{name}.{split}.bytes"] = m["splits"][split]["bytes"]
+            metrics[f"{name}.{split}.num_shards"] = m["splits"][split]["num_shards"]
+        train = m["splits"]["train"]
+        if train["instances"]:
+            metrics[f"{name}.bytes_per_instance"] = train["bytes"] / train["instances"]
+        body = {k: v for k, v in m.items() if k != "_sha256"}
+        tracking.log_text(json.dumps(body, indent=2, sort_keys=True), f"manifests/{name}.json")
+    tracking.log_metrics(metrics)

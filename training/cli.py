@@ -122,8 +122,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--register",
         metavar="NAME",
-        help="also register the model (BertForPreTraining, MLflow's pytorch flavour) as a new "
-        "version of NAME in the MLflow model registry, linked to the pre-training run",
+        help="also register the model (BertForPreTraining, MLflow's transformers flavour, "
+        "safetensors weights) as a new version of NAME in the MLflow model registry; it is "
+        "logged to the pre-training run whether registered or not",
     )
     parser.add_argument(
         "--tracking-uri",

@@ -14,8 +14,11 @@ Lineage: ``bertpipe_export.json`` records the checkpoint and ``source_run_id``, 
 of the pre-training (which the checkpoint's ``bertpipe_state.json`` holds as
 ``mlflow_run_id``); fine-tuning from the export tags its run with it. When the pre-training
 was tracked, the export is recorded in that run (tag ``bertpipe.export.path``, artifact
-``exports/<tag>/bertpipe_export.json``) and, with ``register``, the model (``BertForPreTraining``,
-MLflow's ``pytorch`` flavour) is registered in the model registry.
+``exports/<tag>/bertpipe_export.json``) and logged as its model output ``pretrained-model``
+(MLflow's ``transformers`` flavour, task ``fill-mask``: safetensors weights, no pickle, loads
+with ``transformers`` alone); its id is the export's ``mlflow_model_id``. With ``register``
+that logged model is also registered as a new version of the name (``registered_model``).
+An export to object storage is logged from the local folder written before the upload.
 """
 
 from __future__ import annotations
@@ -136,6 +139,9 @@ def tokenizer_folder(state: ckpt.CheckpointState, tokenizer: str | None) -> str:
 
 EXPORT_INFO = "bertpipe_export.json"
 TAG_EXPORT_PATH = "bertpipe.export.path"
+TAG_REGISTERED = "bertpipe.registered_model"
+MODEL_NAME = "pretrained-model"
+"""The name of the export's logged model in the pre-training run."""
 
 
 def export_checkpoint(
@@ -178,7 +184,7 @@ def export_checkpoint(
         if track or register:
             info_path = target / EXPORT_INFO
             recorded = _record_in_mlflow(
-                model, state, out, str(tag), tracking_uri, register, uri_key, info_path
+                state, out, str(tag), tracking_uri, register, uri_key, info_path
             )
             if recorded:
                 info.update(recorded)
@@ -228,7 +234,6 @@ def _tracking_uri(state: ckpt.CheckpointState, tracking_uri: str | None) -> str 
 
 
 def _record_in_mlflow(
-    model: BertForPreTraining,
     state: ckpt.CheckpointState,
     out: str,
     tag: str,
@@ -237,8 +242,9 @@ def _record_in_mlflow(
     uri_key: str,
     info_path: Path,
 ) -> dict[str, Any]:
-    """Tag the pre-training run with the export (and log its info file there); register the
-    model if asked. Returns what to add to the export's info."""
+    """Record the export (the local folder holding ``info_path``) in the pre-training run: tag
+    it, log it as the run's model output (registered too with ``register``) and log its info
+    file there. Returns what to add to the export's info."""
     run_id = state.mlflow_run_id
     uri = _tracking_uri(state, tracking_uri)
     if uri is None or (run_id is None and not register):
@@ -272,21 +278,28 @@ def _record_in_mlflow(
         log.warning("%s; the export is not recorded there (pass %s)", message, uri_key)
         return {}
     added: dict[str, Any] = {"tracking_uri": uri}
-    if register:
-        mlflow.set_experiment(experiment_id=experiment_id)
-        version = tracking.register_pytorch_model(
-            model, register, uri_key=uri_key, run_id=run_id, artifact_name="pretrained-model"
-        )
-        added["registered_model"] = f"{register}/{version}"
+    logged = tracking.log_hf_model(
+        info_path.parent,
+        task="fill-mask",
+        run_id=run_id,
+        name=MODEL_NAME,
+        register=register,
+        uri_key=uri_key,
+        experiment_id=experiment_id,
+    )
+    if logged is not None:
+        added["mlflow_model_id"] = logged.model_id
+        if logged.registered:
+            added["registered_model"] = logged.registered
     if run_id is not None:
         client = mlflow.MlflowClient()
         where = str(out) if staging.is_remote(out) else str(Path(out).resolve())
         client.set_tag(run_id, TAG_EXPORT_PATH, where)
-        if register:
-            client.set_tag(run_id, "bertpipe.registered_model", added["registered_model"])
-            info = json.loads(info_path.read_text())
-            info.update(added)
-            info_path.write_text(json.dumps(info, indent=2) + "\n")
+        if "registered_model" in added:
+            client.set_tag(run_id, TAG_REGISTERED, added["registered_model"])
+        info = json.loads(info_path.read_text())
+        info.update(added)
+        info_path.write_text(json.dumps(info, indent=2) + "\n")
         client.log_artifact(run_id, str(info_path), f"exports/{tag}")
         log.info("recorded the export in MLflow run %s (%s)", run_id, uri)
     return added

@@ -47,7 +47,7 @@ from bertpipe.training.metrics import Window, loss_scale, memory_metrics
 from bertpipe.training.model import BertForPreTraining, compile_layers
 from bertpipe.training.optim import client_optimizer, reset_step_counters
 from bertpipe.training.peers import watched
-from bertpipe.training.phases import model_config, read_phase_data
+from bertpipe.training.phases import PhaseData, model_config, read_phase_data
 from bertpipe.training.resume import (
     PRETRAIN_FIXED,
     changed_settings,
@@ -208,7 +208,7 @@ class Trainer:
             f"{tracking.TAG_DATA_CHECKSUM}.{p.name}": d.sha256
             for p, d in zip(self.cfg.phases, self.data, strict=True)
         }
-        tags["bertpipe.tokenizer_sha256"] = self.data[0].manifest["tokenizer_sha256"]
+        tags[tracking.TAG_TOKENIZER] = self.data[0].manifest["tokenizer_sha256"]
         with tracking.start_run(
             self.cfg.tracking,
             "pretrain",
@@ -221,6 +221,13 @@ class Trainer:
         ) as run:
             if run is not None:
                 self.run_id = run.info.run_id
+                tokenizer = tracking.find_model(
+                    self.run_id, tracking.TAG_TOKENIZER, tags[tracking.TAG_TOKENIZER]
+                )
+                tracking.log_inputs(
+                    [self._dataset(p, d) for p, d in zip(self.cfg.phases, self.data, strict=True)],
+                    [tokenizer or "", tracking.export_model_id(self.cfg.model.init_from) or ""],
+                )
                 tracking.log_dict(asdict(self.model_cfg), "model_config.json")
                 if changes:
                     tracking.set_tags(mlflow_tags(changes, self.global_step))
@@ -228,6 +235,22 @@ class Trainer:
                         to_yaml(self.cfg), f"resumed/global_step{self.global_step}.yaml"
                     )
             yield
+
+    @staticmethod
+    def _dataset(phase: Any, data: PhaseData) -> tracking.DatasetRef:
+        """A phase's shards as a dataset input: its manifest, named by its sha256."""
+        splits = data.manifest["splits"]
+        return tracking.DatasetRef(
+            name=f"{phase.name}-shards",
+            url=fsio.join(data.url, "manifest.json"),
+            sha256=data.sha256,
+            profile={
+                "phase": phase.name,
+                "max_seq_length": data.max_seq_length,
+                **{f"{k}_instances": int(v.get("instances", 0)) for k, v in splits.items()},
+                **{f"{k}_shards": int(v.get("num_shards", 0)) for k, v in splits.items()},
+            },
+        )
 
     def _run_phase(
         self, index: int, resume: ckpt.ResumeState | None

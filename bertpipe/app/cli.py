@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from bertpipe import __version__
 from bertpipe.cli_args import add_global_options
-from bertpipe.errors import BertpipeError, TransientError
+from bertpipe.errors import TERMINATED_EXIT_CODE, BertpipeError, Terminated, TransientError
 from bertpipe.logs import setup_logging
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -111,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"bertpipe: error: {message}", file=sys.stderr)
         return 75 if isinstance(exc, TransientError) else 2  # EX_TEMPFAIL: retry the job
+    except Terminated:
+        print("bertpipe: terminated (SIGTERM)", file=sys.stderr)
+        return TERMINATED_EXIT_CODE
     except KeyboardInterrupt:
         print("bertpipe: interrupted", file=sys.stderr)
         return 130

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bertpipe import fsio
+from bertpipe.tracking import runs_page_url
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ __all__ = ["add_demo_command", "run_demo", "unigram_baseline"]
 FINETUNE_SEEDS = (1, 2, 3)
 """Each initialisation is fine-tuned once per seed; the summary gives the mean and range."""
 TASK_TRAIN_PER_LABEL = 32
+EXPERIMENT = "bertpipe-demo"
 """Labelled training paragraphs per package (128 in all): few enough that the task needs more
 than word identity learnt from scratch (see docs/training.md, "What pre-training buys")."""
 
@@ -56,7 +58,7 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'mlflow.db'}"
-    common = [f"tracking.uri={uri}", "tracking.experiment=bertpipe-demo"]
+    common = [f"tracking.uri={uri}", f"tracking.experiment={EXPERIMENT}"]
     results: dict[str, object] = {}
     steps: list[tuple[str, Callable[[], object]]] = [
         ("corpus", lambda: _corpus(out, documents)),
@@ -228,7 +230,7 @@ def _compare(out: Path, uri: str) -> None:
     sys.stdout.write("\nFine-tuning runs (bertpipe runs compare):\n")
     print_comparison(
         CompareQuery(
-            experiment="bertpipe-demo",
+            experiment=EXPERIMENT,
             tracking_uri=uri,
             stage="finetune",
             tags={"bertpipe.parent_run_id": pretrain_run} if pretrain_run else {},
@@ -317,7 +319,9 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
         "Look at the runs in MLflow:",
         f"  {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {uri}"
         f" --default-artifact-root {out / 'mlartifacts'}",
-        "  then open http://127.0.0.1:5000",
+        f"  then open {runs_page_url('http://127.0.0.1:5000', uri, EXPERIMENT)}",
+        "  (MLflow 3.17's UI opens an experiment on its GenAI pages unless the address, or the",
+        "  sidebar's switch, says Model training: this link does, and the UI remembers it)",
         "",
     ]
     sys.stdout.write("\n".join(lines) + "\n")

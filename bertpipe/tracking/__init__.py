@@ -15,7 +15,10 @@ split by concern:
   every :data:`~bertpipe.tracking.outbox.RETRY_SECONDS`, so a store that is down costs the
   loop (and the ranks waiting for rank 0 in the next collective) at most one short attempt
   per retry interval; :func:`replay_buffer` sends a buffer left behind.
-* :mod:`~bertpipe.tracking.registry`: :func:`register_pytorch_model`.
+* :mod:`~bertpipe.tracking.inputs`: what a run read and made as MLflow's own dataset inputs
+  and logged models (:class:`DatasetRef`, :func:`log_inputs`, :func:`log_folder_model`).
+* :mod:`~bertpipe.tracking.registry`: :func:`log_hf_model` (a model as a logged model of its
+  run, MLflow's ``transformers`` flavour, optionally registered) and :func:`hf_task`.
 
 The tunables (``RETRY_SECONDS``, ``BATCH_METRICS`` in :mod:`~bertpipe.tracking.outbox`;
 ``HTTP_RETRIES``, ``HTTP_TIMEOUT`` in :mod:`~bertpipe.tracking.client`) are read where they
@@ -33,9 +36,19 @@ from bertpipe.tracking.client import (
     TAG_DATA_CHECKSUM,
     TAG_PARENT,
     TAG_STAGE,
+    TAG_TOKENIZER,
     TrackingConfig,
     config_params,
     connect,
+    runs_page_url,
+)
+from bertpipe.tracking.inputs import (
+    DatasetRef,
+    export_model_id,
+    files_dataset,
+    find_model,
+    log_folder_model,
+    log_inputs,
 )
 from bertpipe.tracking.lifecycle import (
     log_artifacts,
@@ -48,7 +61,14 @@ from bertpipe.tracking.lifecycle import (
     start_run,
 )
 from bertpipe.tracking.outbox import BUFFER_NAME, buffer_path, replay_buffer
-from bertpipe.tracking.registry import RegistryError, pip_requirements, register_pytorch_model
+from bertpipe.tracking.registry import (
+    LoggedModelRef,
+    RegistryError,
+    hf_task,
+    log_hf_model,
+    pip_requirements,
+    register_logged_model,
+)
 
 __all__ = [
     "BUFFER_NAME",
@@ -59,20 +79,31 @@ __all__ = [
     "TAG_DATA_CHECKSUM",
     "TAG_PARENT",
     "TAG_STAGE",
+    "TAG_TOKENIZER",
+    "DatasetRef",
+    "LoggedModelRef",
     "RegistryError",
     "TrackingConfig",
     "buffer_path",
     "config_params",
     "connect",
+    "export_model_id",
+    "files_dataset",
+    "find_model",
+    "hf_task",
     "log_artifacts",
     "log_config",
     "log_dict",
+    "log_folder_model",
+    "log_hf_model",
+    "log_inputs",
     "log_metrics",
     "log_params",
     "log_text",
     "pip_requirements",
-    "register_pytorch_model",
+    "register_logged_model",
     "replay_buffer",
+    "runs_page_url",
     "set_tags",
     "start_run",
 ]

@@ -20,23 +20,35 @@ from bertpipe.config import ConfigError, to_dict
 
 __all__ = [
     "DEFAULT_URI",
+    "EXPERIMENT_KIND",
     "HTTP_RETRIES",
     "HTTP_TIMEOUT",
     "MAX_PARAM_KEY",
     "MAX_PARAM_VALUE",
     "STAGES",
     "TAG_DATA_CHECKSUM",
+    "TAG_EXPERIMENT_KIND",
     "TAG_PARENT",
     "TAG_STAGE",
+    "TAG_TOKENIZER",
     "TrackingConfig",
     "config_params",
     "connect",
     "quick_http",
+    "runs_page_url",
 ]
 
 TAG_STAGE = "bertpipe.stage"
 TAG_PARENT = "bertpipe.parent_run_id"
 TAG_DATA_CHECKSUM = "bertpipe.data_manifest_sha256"
+TAG_TOKENIZER = "bertpipe.tokenizer_sha256"
+"""The tokenizer's checksum: on the tokenizer, preprocess and pre-training runs and on the
+tokenizer's logged model (how the later runs find it as their model input)."""
+TAG_EXPERIMENT_KIND = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+"""The experiment kind MLflow's UI reads to choose an experiment's first page: model training
+opens on the runs table (without it, MLflow 3 opens an untagged experiment on its GenAI
+overview of traces, empty for bertpipe)."""
 STAGES = ("tokenizer", "preprocess", "pretrain", "finetune", "sweep")
 DEFAULT_URI = "sqlite:///runs/mlflow.db"
 MAX_PARAM_VALUE = 500
@@ -70,10 +82,18 @@ class TrackingConfig:
     """Name of the run; null lets the stage choose one."""
     tags: dict[str, str] = dataclasses.field(default_factory=dict)
     """Extra tags set on the run."""
+    system_metrics: bool = True
+    """Log the machine's CPU, memory, disk and network use (and each GPU's utilisation and
+    memory where ``nvidia-ml-py`` is installed) into the run as ``system/*`` metrics, sampled
+    by MLflow's own monitor in the rank-0 process every ``system_metrics_interval_s``."""
+    system_metrics_interval_s: float = 10.0
+    """Seconds between two system-metrics samples."""
 
     def __post_init__(self) -> None:
         if not self.experiment.strip():
             raise ConfigError("experiment", "must not be empty")
+        if not self.system_metrics_interval_s > 0:
+            raise ConfigError("system_metrics_interval_s", "must be > 0 seconds")
 
     def resolved_uri(self) -> str:
         """The tracking URI to use, absolute for sqlite and local folders."""
@@ -98,7 +118,11 @@ class TrackingConfig:
 
 
 def connect(cfg: TrackingConfig) -> str:
-    """Point MLflow at ``cfg``'s store and return the experiment id (created if missing)."""
+    """Point MLflow at ``cfg``'s store and return the experiment id (created if missing).
+
+    The experiment carries MLflow's kind tag for model training (:data:`EXPERIMENT_KIND`):
+    a new one from the start, an existing one without a kind on first use (a kind someone
+    chose is kept)."""
     import mlflow
 
     uri = cfg.resolved_uri()
@@ -106,19 +130,36 @@ def connect(cfg: TrackingConfig) -> str:
         os.makedirs(os.path.dirname(uri[len("sqlite://") :]), exist_ok=True)
     mlflow.set_tracking_uri(uri)
     exp = mlflow.get_experiment_by_name(cfg.experiment)
-    if exp is not None:
-        return str(exp.experiment_id)
-    try:
-        return str(
-            mlflow.create_experiment(
-                cfg.experiment, artifact_location=cfg.resolved_artifact_location()
+    if exp is None:
+        try:
+            return str(
+                mlflow.create_experiment(
+                    cfg.experiment,
+                    artifact_location=cfg.resolved_artifact_location(),
+                    tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND},
+                )
             )
+        except Exception:  # another process created it first
+            exp = mlflow.get_experiment_by_name(cfg.experiment)
+            if exp is None:
+                raise
+    if TAG_EXPERIMENT_KIND not in (exp.tags or {}):
+        mlflow.MlflowClient().set_experiment_tag(
+            exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND
         )
-    except Exception:  # another process created it first
-        exp = mlflow.get_experiment_by_name(cfg.experiment)
-        if exp is None:
-            raise
-        return str(exp.experiment_id)
+    return str(exp.experiment_id)
+
+
+def runs_page_url(server: str, uri: str, experiment: str) -> str:
+    """The address of ``experiment``'s runs table in the MLflow UI served at ``server`` on the
+    store ``uri``. MLflow 3.17's UI shows an experiment's GenAI pages unless the address (or
+    the sidebar's switch, which it then remembers) asks for model training, whatever the
+    experiment's kind tag says; ``workflowType=machine_learning`` does."""
+    import mlflow
+
+    exp = mlflow.MlflowClient(tracking_uri=uri).get_experiment_by_name(experiment)
+    page = f"#/experiments/{exp.experiment_id}/runs" if exp is not None else "#/experiments"
+    return f"{server.rstrip('/')}/{page}?workflowType=machine_learning"
 
 
 @contextlib.contextmanager

@@ -14,12 +14,15 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from bertpipe import fsio
 from bertpipe.config import to_yaml
+from bertpipe.errors import Terminated
 from bertpipe.tracking.client import (
     STAGES,
     TAG_PARENT,
@@ -94,11 +97,13 @@ def start_run(
         all_tags[TAG_PARENT] = parent_run_id
     detached = None
     run: Any  # an mlflow.ActiveRun, or a _DetachedRun (same ``run.info.run_id``)
+    if cfg.system_metrics:  # MLflow's own monitor: a thread sampling into this run
+        mlflow.set_system_metrics_sampling_interval(cfg.system_metrics_interval_s)
     if resume_run_id:
         try:
             with quick_http():  # a store that is down costs one short attempt, not minutes
                 connect(cfg)
-                run = mlflow.start_run(run_id=resume_run_id)
+                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=cfg.system_metrics)
         except Exception as exc:  # the run goes on; its records wait in the buffer
             detached = exc
             run = _DetachedRun(resume_run_id)
@@ -110,8 +115,10 @@ def start_run(
             nested=nested_in is not None,
             parent_run_id=nested_in,
             tags=all_tags,
+            log_system_metrics=cfg.system_metrics,
         )
     global _outbox
+    sigterm = _TermAsKilled()
     run_id = run.info.run_id
     path = buffer or os.path.abspath(os.path.join("runs", "mlflow-buffer", f"{run_id}.jsonl"))
     outer, _outbox = _outbox, Outbox(run_id, path)
@@ -135,8 +142,34 @@ def start_run(
         status = "FAILED"
         raise
     finally:
+        sigterm.restore()
         outbox, _outbox = _outbox, outer
         outbox.close(status)
+
+
+class _TermAsKilled:
+    """While a run is open in the main thread, a SIGTERM that would kill the process outright
+    (its handler is the default) raises :class:`~bertpipe.errors.Terminated` instead, so the
+    run ends KILLED rather than staying RUNNING; a stage with its own handler (pre-training
+    saves first) keeps it."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, self._raise)
+        self.installed = True
+
+    @staticmethod
+    def _raise(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    def restore(self) -> None:
+        if self.installed and signal.getsignal(signal.SIGTERM) == self._raise:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.installed = False
 
 
 def log_config(config: Any, name: str = "config.yaml") -> None:

@@ -266,7 +266,7 @@ def send_records(records: list[dict[str, Any]]) -> None:
 
 
 def send_one(client: Any, record: dict[str, Any]) -> None:
-    """Send one non-metric record (params, tags, dict, text, artifacts, end) with ``client``
+    """Send one non-metric record (params, tags, dict, text, artifacts, inputs, end) with ``client``
     (an ``mlflow.MlflowClient``)."""
     kind, run_id = record["kind"], record["run_id"]
     if kind == "params":
@@ -289,10 +289,34 @@ def send_one(client: Any, record: dict[str, Any]) -> None:
                 client.log_artifacts(run_id, record["local_dir"], record["artifact_path"])
         else:
             log.warning("MLflow: %s is gone, not uploaded to run %s", record["local_dir"], run_id)
+    elif kind == "inputs":
+        _send_inputs(client, run_id, record)
     elif kind == "end":
         client.set_terminated(run_id, record["status"], end_time=record["timestamp"])
     else:
         log.warning("MLflow buffer: unknown record kind %r skipped", kind)
+
+
+def _send_inputs(client: Any, run_id: str, record: dict[str, Any]) -> None:
+    """Datasets (see :class:`~bertpipe.tracking.inputs.DatasetRef`) and logged models (ids)
+    as inputs of the run."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelInput
+
+    datasets = [
+        DatasetInput(
+            Dataset(
+                name=d["name"],
+                digest=d["digest"],
+                source_type=d["source_type"],
+                source=d["source"],
+                profile=d["profile"],
+            ),
+            tags=[InputTag("mlflow.data.context", d["context"])],
+        )
+        for d in record.get("datasets", [])
+    ]
+    models = [LoggedModelInput(model_id) for model_id in record.get("models", [])]
+    client.log_inputs(run_id, datasets=datasets or None, models=models or None)
 
 
 def read_buffer(path: str) -> list[dict[str, Any]]:

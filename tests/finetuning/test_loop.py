@@ -178,7 +178,8 @@ def test_each_family_trains_scores_and_logs(pretrained: Path, tmp_path: Path, fa
     assert run.data.metrics["best/step"] == result.best_step == steps[result.best_epoch - 1]
     assert run.data.tags["bertpipe.source_run_id"] == "pretrain-run-123"
     artifacts = {a.path for a in client.list_artifacts(result.run_id)}
-    assert {"model", "predictions", "finetune_summary.json"} <= artifacts
+    assert {"predictions", "finetune_summary.json"} <= artifacts
+    assert [m.model_id for m in run.outputs.model_outputs] == [result.model_id]
     if family == "glue":  # the malformed dev row is reported, not silently dropped
         summary = json.loads(
             (Path(client.download_artifacts(result.run_id, "finetune_summary.json"))).read_text()
@@ -263,5 +264,5 @@ def test_logs_to_a_real_mlflow_server_over_http(
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.metrics["best/accuracy"] == result.metrics["accuracy"]
-    assert "model" in {a.path for a in client.list_artifacts(result.run_id)}
+    assert [m.model_id for m in run.outputs.model_outputs] == [result.model_id]
     assert list((tmp_path / "server-artifacts").rglob("config.json"))  # stored by the server

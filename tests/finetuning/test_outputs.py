@@ -93,7 +93,7 @@ def _sweep(pretrained: Path, tmp_path: Path, uri: str, *extra: str) -> SweepResu
 
 def test_sweep_keeps_only_the_best_trials_model(pretrained: Path, tmp_path: Path) -> None:
     import mlflow
-    import mlflow.pytorch
+    import mlflow.transformers
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = _sweep(pretrained, tmp_path, uri, "register=sweep-best")  # keep_models: best
@@ -118,20 +118,26 @@ def test_sweep_keeps_only_the_best_trials_model(pretrained: Path, tmp_path: Path
     for _, trial in result.trials:  # metrics and params for all, the model for the best only
         run = client.get_run(trial.run_id)
         assert "best/accuracy" in run.data.metrics and "learning_rate" in run.data.params
-        artifacts = {a.path for a in client.list_artifacts(trial.run_id)}
-        assert "predictions" in artifacts
-        assert ("model" in artifacts) == (trial.run_id == result.best.run_id), trial.output
-    files = {a.path for a in client.list_artifacts(result.best.run_id, "model")}
-    assert {"model/config.json", "model/model.safetensors"} <= files
-    # register=NAME on a sweep: the best trial's model only, linked to the best trial's run
+        assert "predictions" in {a.path for a in client.list_artifacts(trial.run_id)}
+        outputs = [m.model_id for m in run.outputs.model_outputs]
+        is_best = trial.run_id == result.best.run_id
+        assert outputs == ([result.best.model_id] if is_best else []), trial.output
+    assert result.best.model_id and parent.data.tags["bertpipe.best_model_id"]
+    # register=NAME on a sweep: the best trial's logged model only, from the best trial's run
     assert result.best.registered_model == "sweep-best/1"
     assert parent.data.tags["bertpipe.registered_model"] == "sweep-best/1"
-    assert client.get_model_version("sweep-best", "1").run_id == result.best.run_id
+    version = client.get_model_version("sweep-best", "1")
+    assert version.run_id == result.best.run_id
+    assert version.source == f"models:/{result.best.model_id}"
     assert [str(v.version) for v in client.search_model_versions("name='sweep-best'")] == ["1"]
     mlflow.set_tracking_uri(uri)
-    loaded = mlflow.pytorch.load_model("models:/sweep-best/1")
-    with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, model(ids).logits)
+    loaded = mlflow.transformers.load_model("models:/sweep-best/1", return_type="components")
+    assert type(loaded["model"]).__name__ == "BertForSequenceClassification"
+    batch = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids)}
+    batch["attention_mask"] = torch.ones_like(ids)
+    with torch.no_grad():  # transformers' BERT computes bertpipe's logits (other fp32 kernels)
+        got, want = loaded["model"](**batch).logits, model(**batch).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_sweep_keep_models_all(pretrained: Path, tmp_path: Path) -> None:
@@ -140,9 +146,11 @@ def test_sweep_keep_models_all(pretrained: Path, tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     result = _sweep(pretrained, tmp_path, uri, "sweep.keep_models=all")
     client = mlflow.MlflowClient(tracking_uri=uri)
-    for _, trial in result.trials:
+    for _, trial in result.trials:  # every trial's model is a logged model of its run
         assert (Path(trial.output) / "best" / "config.json").exists()
-        assert "model" in {a.path for a in client.list_artifacts(trial.run_id)}
+        outputs = client.get_run(trial.run_id).outputs.model_outputs
+        assert trial.model_id and [m.model_id for m in outputs] == [trial.model_id]
+    assert result.best.registered_model is None
 
 
 def test_sweep_deletes_a_model_once_a_better_trial_is_known(

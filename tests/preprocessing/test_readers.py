@@ -12,7 +12,8 @@ import pytest
 import zstandard
 
 from bertpipe import fsio
-from bertpipe.preprocessing.readers import InputConfig, common_root, read_documents
+from bertpipe.fsio import common_root
+from bertpipe.preprocessing.readers import InputConfig, read_documents
 from bertpipe.preprocessing.sentences import split_sentences
 
 

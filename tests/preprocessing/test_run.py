@@ -92,6 +92,17 @@ def test_both_phases_with_manifest_stats_and_mlflow(
     assert run.data.params["dupe_factor"] == "2"
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id, "manifests")}
     assert artifacts == {"manifests/seq64.json", "manifests/seq128.json"}
+    # the run spans the Beam job, and its corpus is its dataset input (MLflow's own field)
+    assert run.info.end_time - run.info.start_time >= 1000 * run.data.metrics["seconds"]
+    (corpus,) = run.inputs.dataset_inputs
+    assert corpus.dataset.name == "corpus" and corpus.dataset.source_type == "local"
+    assert json.loads(corpus.dataset.source)["uri"] == f"file://{corpus_dir}"
+    profile = json.loads(corpus.dataset.profile)
+    assert profile["files"] == len(list(corpus_dir.iterdir())) and profile["bytes"] > 0
+    assert corpus.dataset.digest == profile["sha256"][:32]
+    assert {t.key: t.value for t in corpus.tags}["mlflow.data.context"] == "training"
+    experiment = mlflow.get_experiment(run.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_bad_input_is_counted_and_inputs_untouched(tokenizer_dir: Path, tmp_path: Path) -> None:
@@ -184,7 +195,9 @@ def test_existing_output_needs_overwrite_and_is_kept(
     }
 
 
-def test_tokenizer_cli_trains_and_imports(corpus_dir: Path, tmp_path: Path) -> None:
+def test_tokenizer_cli_trains_and_imports(
+    corpus_dir: Path, tmp_path: Path, mlflow_uri: str
+) -> None:
     out = tmp_path / "tok"
     args = [
         "tokenizer",
@@ -194,9 +207,26 @@ def test_tokenizer_cli_trains_and_imports(corpus_dir: Path, tmp_path: Path) -> N
         "vocab_size=300",
         "tracking.enabled=false",
     ]
-    assert main(args) == 0
+    assert main([*args[:-1], f"tracking.uri={mlflow_uri}"]) == 0
     vocab = (out / "vocab.txt").read_text().splitlines()
     assert len(vocab) == 300 and vocab[2] == "[CLS]"
+    # its MLflow run spans the training, reads the corpus and outputs the tokenizer as a model
+    import mlflow
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    client = mlflow.MlflowClient()
+    (run,) = mlflow.search_runs(experiment_names=["bertpipe"], output_format="list")
+    assert run.info.status == "FINISHED"
+    assert run.info.end_time - run.info.start_time >= 1000 * run.data.metrics["seconds"]
+    (corpus,) = run.inputs.dataset_inputs
+    assert corpus.dataset.name == "corpus"
+    assert json.loads(corpus.dataset.profile)["files"] == len(list(corpus_dir.iterdir()))
+    (output,) = run.outputs.model_outputs
+    model = mlflow.get_logged_model(output.model_id)
+    assert model.name == "tokenizer" and model.source_run_id == run.info.run_id
+    assert model.tags["bertpipe.tokenizer_sha256"] == run.data.tags["bertpipe.tokenizer_sha256"]
+    files = {a.path for a in client.list_logged_model_artifacts(model.model_id)}
+    assert {"vocab.txt", "tokenizer.json", "tokenizer_config.json"} <= files
     assert _cli(*args).returncode == 2  # exists
     imported = tmp_path / "imported"
     assert (

@@ -4,7 +4,10 @@ s3:// corpus, preprocess s3 -> s3 on 2 Beam worker processes, pre-training strea
 shards from s3 with its checkpoints there, export from s3 to s3 (registered), fine-tuning
 from the s3 export with its checkpoints on s3. Every stage is the real CLI in a child process
 that knows the store only through AWS_ENDPOINT_URL and its keys, as a MinIO or Ceph user's
-job would (the stages run through the CLI's ``main`` in the test's process)."""
+job would (the stages run through the CLI's ``main`` in the test's process). At the end, the
+experiment as its users see it: a headless Chromium opens the server's runs table and each
+stage's run must list its dataset and its model (:mod:`tests.browser`; without Chromium the
+same fields are checked through the MLflow client and the browser part is skipped)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ from tests.conftest import (
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("keep_logging")]
+
+STAGES = ("tokenizer", "preprocess", "pretrain", "finetune")
+"""The stages whose runs the UI check expects with a dataset and a model."""
 
 
 def _bertpipe(s3, capfd: pytest.CaptureFixture[str], *args: str) -> dict:  # type: ignore[type-arg]
@@ -116,5 +122,44 @@ def test_whole_flow_on_s3(
             values = json.dumps({**run.data.params, **run.data.tags})
             assert s3.env["AWS_SECRET_ACCESS_KEY"] not in values
             assert s3.env["AWS_ACCESS_KEY_ID"] not in values
+
+        stage_runs = {
+            r.info.run_id: r.info.run_name
+            for r in runs
+            if r.data.tags.get("bertpipe.stage") in STAGES
+            and not r.data.tags.get("mlflow.parentRunId")
+        }
+        stages = sorted(r.data.tags["bertpipe.stage"] for r in runs if r.info.run_id in stage_runs)
+        assert stages == sorted(STAGES), kinds
+        _check_ui(server.uri, experiment.experiment_id, stage_runs, tmp_path / "mlflow-runs.png")
     finally:
         server.stop()
+
+
+def _check_ui(uri: str, experiment_id: str, runs: dict[str, str], screenshot: Path) -> None:
+    """The experiment's runs table in a headless Chromium: it opens on the runs (not on the
+    GenAI overview) and lists each of ``runs`` (id -> name) with its Dataset and Models
+    cells filled; the same fields through the client as well. Without Chromium the client's
+    check still runs and the browser part is skipped with the reason."""
+    from tests.browser import check_runs_client, check_runs_in_browser, find_chromium
+
+    rows, problems = check_runs_client(uri, experiment_id, runs)
+    report = ["client:", *(f"  {rows[r].line()}" for r in runs if r in rows)]
+    if find_chromium() is not None:
+        started = time.monotonic()
+        page, seen = check_runs_in_browser(uri, experiment_id, runs, screenshot)
+        assert page.rendered is not None
+        print(
+            f"UI check: {time.monotonic() - started:.1f} s ({page.rendered.seconds:.1f} s in"
+            f" Chromium for the last load, {page.rendered.budget_ms} ms of page time)",
+            file=sys.__stderr__,
+        )
+        report += [f"browser ({page.rendered.url}, screenshot {page.rendered.screenshot}):"]
+        report += [f"  {row.line()}" for row in page.rows.values()]
+        problems = [f"table: {p}" for p in seen] + [f"store: {p}" for p in problems]
+    assert not problems, "\n".join([*problems, *report])
+    if find_chromium() is None:
+        pytest.skip(
+            "UI check: no Chromium (chromium-headless-shell, or $BERTPIPE_CHROMIUM): the runs'"
+            " datasets and models were checked through the MLflow client only"
+        )

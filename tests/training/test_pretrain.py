@@ -78,7 +78,7 @@ def reference_run(
     """Both phases, uninterrupted, in this process."""
     out = tmp_path_factory.mktemp("reference")
     uri = f"sqlite:///{out / 'mlflow.db'}"
-    cfg = _cfg(pretrain_shards, out / "run", uri, steps=24)
+    cfg = _cfg(pretrain_shards, out / "run", uri, steps=24, tracking__system_metrics_interval_s=0.5)
     summary = run_pretraining(cfg)
     state, _ = ckpt.read_state(cfg.checkpoint_dir, ckpt.latest_tag(cfg.checkpoint_dir), 0)
     return {"cfg": cfg, "uri": uri, "summary": summary, "run_id": state.mlflow_run_id, "out": out}
@@ -112,6 +112,16 @@ def test_two_phases_metrics_and_checkpoints(reference_run: dict) -> None:  # typ
     assert run.data.tags["bertpipe.stage"] == "pretrain"
     assert "bertpipe.data_manifest_sha256.phase1" in run.data.tags
     assert run.data.params["zero.stage"] == "1"
+    # MLflow's own views: each phase's shards as a dataset input, the machine's load sampled
+    inputs = {i.dataset.name: i.dataset for i in run.inputs.dataset_inputs}
+    assert set(inputs) == {"phase1-shards", "phase2-shards"}
+    sha = run.data.tags["bertpipe.data_manifest_sha256.phase1"]
+    assert inputs["phase1-shards"].digest == sha[:32]
+    assert json.loads(inputs["phase1-shards"].source)["uri"].endswith("/seq64/manifest.json")
+    profile = json.loads(inputs["phase1-shards"].profile)
+    assert profile["sha256"] == sha and profile["train_instances"] > 0
+    for key in ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"):
+        assert key in run.data.metrics, key
     # checkpoints: phase ends kept, older ones pruned, latest published
     folder = Path(cfg.checkpoint_dir)
     tags = sorted(p.name for p in folder.iterdir() if p.name.startswith("global_step"))

@@ -63,10 +63,9 @@ def test_pretrain_phases_are_logged_flat_to_a_real_store(tmp_path: Path) -> None
 
 
 def test_a_registry_failure_is_one_line_naming_the_uri_key(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     import mlflow
-    from torch import nn
 
     from tests.conftest import free_port
 
@@ -76,7 +75,9 @@ def test_a_registry_failure_is_one_line_naming_the_uri_key(
     mlflow.set_tracking_uri(f"http://127.0.0.1:{free_port()}")  # nothing listens there
     try:
         with pytest.raises(tracking.RegistryError) as info:
-            tracking.register_pytorch_model(nn.Linear(2, 2), "m", uri_key="tracking.uri")
+            tracking.log_hf_model(
+                tmp_path, task="fill-mask", run_id="r", register="m", uri_key="tracking.uri"
+            )
     finally:
         mlflow.set_tracking_uri(previous)
     message = str(info.value)
