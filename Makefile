@@ -42,13 +42,12 @@ lint: install
 # the suite on both cores (pytest-xdist), each worker computing on one thread (conftest.py);
 # worksteal: an idle worker takes queued tests from the busy one (the minute-long multi-process
 # tests otherwise left one core idle at the end: 11:00 against 8:10)
-# (the tests with ranks on two test hosts run in `make test-multihost`: with them the suite
-# took 11:24 on a clean clone, over its 10 minutes)
+# (the tests with ranks on two test hosts, marked multihost, are part of it: they need root,
+# iproute2, sshd and pdsh, which .ci/run installs, and skip with the reason without them)
 test: lint
-	$(BIN)/pytest -n 2 --dist worksteal -m "not multihost"
+	$(BIN)/pytest -n 2 --dist worksteal
 
-# ranks on two test hosts: the four launch paths, the lost node at ZeRO 3 (root, iproute2,
-# sshd, pdsh: .ci/run installs them); about 3 minutes on 2 cores
+# only the tests with ranks on two test hosts: the four launch paths, the lost node at ZeRO 3
 test-multihost: install
 	$(BIN)/pytest -n 2 --dist worksteal -m multihost
 
