@@ -137,10 +137,36 @@ def pretrain_shards(
     return out
 
 
+_EMPTY_STORE: Path | None = None
+
+
+def sqlite_uri(path: Path | str) -> str:
+    """``sqlite:///<path>``, a sqlite MLflow store private to the test. Unless ``path`` exists it
+    starts as a copy of an empty store made once per test process: MLflow builds a new
+    database's tables by running its ~100 schema migrations, 1-2 s for each of the suite's
+    many stores (every process that opens a new one pays it). Opening and migrating a new
+    database stays covered by the demo, the S3 flow's server and ``test_runs``."""
+    global _EMPTY_STORE
+    import shutil
+    import tempfile
+
+    target = Path(path)
+    if not target.exists():
+        if _EMPTY_STORE is None or not _EMPTY_STORE.exists():
+            import mlflow
+
+            template = Path(tempfile.mkdtemp(prefix="bertpipe-mlflow-")) / "empty.db"
+            mlflow.MlflowClient(tracking_uri=f"sqlite:///{template}").search_experiments()
+            _EMPTY_STORE = template
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_EMPTY_STORE, target)
+    return f"sqlite:///{target}"
+
+
 @pytest.fixture
 def mlflow_uri(tmp_path: Path) -> str:
-    """A sqlite MLflow store private to the test."""
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+    """A sqlite MLflow store private to the test (see :func:`sqlite_uri`)."""
+    return sqlite_uri(tmp_path / "mlflow.db")
 
 
 def free_port() -> int:

@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from bertpipe.app.cli import COMMANDS, build_parser
+from tests.conftest import sqlite_uri
 
 ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
@@ -1201,7 +1202,7 @@ def _fake_slurm(tmp_path: Path, nodes: int, **extra: str) -> tuple[dict[str, str
         SLURM_SUBMIT_DIR=str(tmp_path),
         SLURM_CPUS_ON_NODE="32",
         SLURM_GPUS_ON_NODE="8",
-        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        MLFLOW_TRACKING_URI=sqlite_uri(tmp_path / "mlflow.db"),
         GPU_TYPE="h100",
         BERTPIPE_PLAN_MEMORY_CHECK="0",
         **extra,

@@ -11,6 +11,7 @@ import pytest
 from bertpipe.config import ConfigError, load_config
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.loop import run_finetuning
+from tests.conftest import sqlite_uri
 
 pytestmark = pytest.mark.integration
 
@@ -150,7 +151,7 @@ def _cfg(pretrained: Path, tmp_path: Path, uri: str, family: str, *extra: str) -
 def test_each_family_trains_scores_and_logs(pretrained: Path, tmp_path: Path, family: str) -> None:
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     result = run_finetuning(_cfg(pretrained, tmp_path, uri, family))
     main = FAMILIES[family][2]
     assert main in result.main_metric and result.main_metric in result.metrics
@@ -191,7 +192,7 @@ def test_each_family_trains_scores_and_logs(pretrained: Path, tmp_path: Path, fa
 
 
 def test_deterministic_and_random_baseline(pretrained: Path, tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     a = run_finetuning(_cfg(pretrained, tmp_path / "a", uri, "glue", "save_model=false"))
     b = run_finetuning(_cfg(pretrained, tmp_path / "b", uri, "glue", "save_model=false"))
     assert [h["train/loss"] for h in a.history] == [h["train/loss"] for h in b.history]
@@ -212,7 +213,7 @@ def test_sweep_runs_are_nested_under_a_parent(pretrained: Path, tmp_path: Path) 
 
     from bertpipe.finetuning.sweep import run_sweep
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(
         pretrained,
         tmp_path,
@@ -239,7 +240,7 @@ def test_sweep_runs_are_nested_under_a_parent(pretrained: Path, tmp_path: Path) 
 
 
 def test_config_errors(pretrained: Path, tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     with pytest.raises(ConfigError) as info:
         run_finetuning(_cfg(pretrained, tmp_path, uri, "glue", "task.max_seq_length=256"))
     assert info.value.key == "task.max_seq_length" and "128" in str(info.value)

@@ -12,6 +12,7 @@ import torch
 from bertpipe.finetuning.loop import load_task_model, run_finetuning
 from bertpipe.training.faults import FAULT_NAN_STEPS
 from bertpipe.training.guard import NonFiniteError
+from tests.conftest import sqlite_uri
 from tests.finetuning.test_loop import _cfg
 
 pytestmark = pytest.mark.integration
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 def test_nan_burst_is_skipped(pretrained: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(FAULT_NAN_STEPS, "2,3")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     result = run_finetuning(_cfg(pretrained, tmp_path, uri, "glue", "epochs=2"))
     import mlflow
 
@@ -33,7 +34,7 @@ def test_nan_burst_is_skipped(pretrained: Path, tmp_path: Path, monkeypatch) -> 
 
 def test_persistent_nan_stops(pretrained: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv(FAULT_NAN_STEPS, "1-")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     with pytest.raises(NonFiniteError, match=r"3 optimizer steps in a row.*max_bad_steps=3") as e:
         run_finetuning(_cfg(pretrained, tmp_path, uri, "glue", "epochs=2", "max_bad_steps=3"))
     assert "\n" not in str(e.value)

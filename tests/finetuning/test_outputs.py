@@ -13,13 +13,14 @@ from bertpipe.config import ConfigError, load_config
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.loop import load_task_model, run_finetuning
 from bertpipe.finetuning.sweep import SweepResult
+from tests.conftest import sqlite_uri
 from tests.finetuning.test_loop import _cfg
 
 pytestmark = pytest.mark.integration
 
 
 def test_default_output_is_a_new_folder_per_run(pretrained: Path, tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(pretrained, tmp_path, uri, "glue", "epochs=1", f"output_root={tmp_path / 'runs'}")
     cfg.output = None  # _cfg gives one; the default is none
     first = run_finetuning(cfg)
@@ -39,7 +40,7 @@ def test_default_output_is_a_new_folder_per_run(pretrained: Path, tmp_path: Path
 
 
 def test_existing_output_is_refused_unless_overwrite(pretrained: Path, tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     out = tmp_path / "out"
     stale = out / "predictions" / "epoch9"
     stale.mkdir(parents=True)
@@ -95,7 +96,7 @@ def test_sweep_keeps_only_the_best_trials_model(pretrained: Path, tmp_path: Path
     import mlflow
     import mlflow.transformers
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     result = _sweep(pretrained, tmp_path, uri, "register=sweep-best")  # keep_models: best
     folder = Path(result.output)
     assert folder.parent == tmp_path / "runs" and folder.name.startswith("sweep-sst-2-")
@@ -143,7 +144,7 @@ def test_sweep_keeps_only_the_best_trials_model(pretrained: Path, tmp_path: Path
 def test_sweep_keep_models_all(pretrained: Path, tmp_path: Path) -> None:
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     result = _sweep(pretrained, tmp_path, uri, "sweep.keep_models=all")
     client = mlflow.MlflowClient(tracking_uri=uri)
     for _, trial in result.trials:  # every trial's model is a logged model of its run

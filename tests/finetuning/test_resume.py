@@ -23,6 +23,7 @@ from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.loop import run_finetuning
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.faults import FAULT_SIGNAL
+from tests.conftest import sqlite_uri
 from tests.finetuning.test_loop import _glue_files
 from tests.training.test_pretrain import _env
 
@@ -71,11 +72,11 @@ def test_sigterm_then_sigkill_mid_epoch_resume_to_the_same_result(
         "checkpoint.preemption_check_steps=1",
         "tracking.experiment=finetune-resume",
     ]
-    ref_uri = f"sqlite:///{tmp_path / 'reference.db'}"
+    ref_uri = sqlite_uri(tmp_path / "reference.db")
     reference = _summary(
         _finetune([*common, f"output={tmp_path / 'reference'}", f"tracking.uri={ref_uri}"])
     )
-    out, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'run.db'}"
+    out, uri = tmp_path / "run", sqlite_uri(tmp_path / "run.db")
     args = [*common, f"output={out}", f"tracking.uri={uri}"]
     folder = out / "checkpoints"
 

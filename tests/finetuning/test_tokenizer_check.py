@@ -12,6 +12,7 @@ import pytest
 
 from bertpipe.config import ConfigError
 from bertpipe.finetuning.loop import run_finetuning
+from tests.conftest import sqlite_uri
 from tests.finetuning.test_loop import _cfg
 
 pytestmark = pytest.mark.integration
@@ -42,7 +43,7 @@ CASES = [(_swap_two, "is not the tokenizer of"), (_add_tokens, "the model's embe
 @pytest.mark.parametrize(("edit", "fragment"), CASES)
 def test_a_different_tokenizer_is_refused(pretrained: Path, tmp_path: Path, edit, fragment):
     other = _edited_tokenizer(pretrained, tmp_path / "other-tokenizer", edit)
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(pretrained, tmp_path, uri, "glue", "epochs=1", f"tokenizer={other}")
     with pytest.raises(ConfigError, match=fragment) as info:
         run_finetuning(cfg)
@@ -53,7 +54,7 @@ def test_a_different_tokenizer_is_refused(pretrained: Path, tmp_path: Path, edit
 def test_the_models_own_tokenizer_passes_given_or_not(pretrained: Path, tmp_path: Path):
     copy = tmp_path / "copy"
     shutil.copytree(pretrained, copy, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(pretrained, tmp_path, uri, "glue", "epochs=1", f"tokenizer={copy}")
     result = run_finetuning(cfg)
     assert Path(result.output, "best", "tokenizer.json").exists()

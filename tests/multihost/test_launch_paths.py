@@ -34,6 +34,7 @@ from filelock import FileLock
 
 from bertpipe.config import to_yaml
 from bertpipe.training import checkpoint as ckpt
+from tests.conftest import sqlite_uri
 from tests.netns import NetnsUnavailableError, SshKeys, TestHosts, host_names, start_sshd
 from tests.training.test_pretrain import _cfg, _env, _history
 
@@ -71,7 +72,7 @@ def _job(shards: Path, out: Path) -> list[str]:
     cfg = _cfg(
         shards,
         out / "run",
-        f"sqlite:///{out / 'mlflow.db'}",
+        sqlite_uri(out / "mlflow.db"),
         steps=STEPS,
         eval__max_batches=1,
         checkpoint__every_steps=1000,
@@ -123,7 +124,7 @@ def _losses(out: Path) -> Losses:
     """train/loss per step from the job's MLflow store, and the checkpoint is a 2-rank one."""
     state, _ = ckpt.read_state(str(out / "run" / "checkpoints"), f"global_step{STEPS}", 0)
     assert state.world_size == 2
-    return _history(f"sqlite:///{out / 'mlflow.db'}", state.mlflow_run_id, "train/loss")
+    return _history(sqlite_uri(out / "mlflow.db"), state.mlflow_run_id, "train/loss")
 
 
 def _placements(text: str) -> list[dict[str, str]]:
@@ -172,9 +173,9 @@ def _clean_hosts(netns_hosts: TestHosts) -> Iterator[None]:
 def reference(
     netns_hosts: TestHosts, pretrain_shards: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Losses:
-    """The losses of ``deepspeed --num_gpus 2`` on host 1 alone. Computed once per test run:
-    pytest-xdist workers share it through the run's temporary folder when their shards are
-    byte-identical."""
+    """The losses of 2 ranks on host 1 alone (``torchrun --nproc_per_node 2``). Computed once
+    per test run: pytest-xdist workers share it through the run's temporary folder when their
+    shards are byte-identical."""
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     result = shared / f"multihost-reference-{_shards_key(pretrain_shards)}.json"
@@ -182,7 +183,8 @@ def reference(
         if result.exists():
             return [(step, loss) for step, loss in json.loads(result.read_text())]
         out = tmp_path_factory.mktemp("reference")
-        cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", "29500"]
+        # torchrun: the ranks are the same; two interpreter start-ups fewer than deepspeed's
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29500"]
         log = out / "log"
         proc = netns_hosts.popen(
             0,

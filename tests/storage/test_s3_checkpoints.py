@@ -17,6 +17,7 @@ import pytest
 
 from bertpipe.config import to_yaml
 from bertpipe.training import checkpoint as ckpt
+from tests.conftest import sqlite_uri
 from tests.training.test_pretrain import _env, _history
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -37,7 +38,7 @@ def _config(tmp: Path, shards: str, checkpoints: str, steps: int, **extra: objec
     from bertpipe.config import load_config
     from bertpipe.training.config import PretrainConfig
 
-    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    uri = sqlite_uri(tmp / "mlflow.db")
     items = [
         f"output={tmp / 'run'}",
         "model.preset=tiny",
@@ -96,7 +97,7 @@ def test_two_ranks_killed_mid_upload_resume_exactly(
     assert ckpt.latest_tag(folder) == "global_step12"
     state, _ = ckpt.read_state(folder, "global_step12", 0)
     assert state.world_size == 2
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     by_step = _losses(uri, str(state.mlflow_run_id))
     assert sorted(by_step) == list(range(1, 13))
     repeated = {s: v for s, v in by_step.items() if len(v) > 1}

@@ -16,6 +16,7 @@ import pytest
 
 from bertpipe.config import to_yaml
 from bertpipe.training import checkpoint as ckpt
+from tests.conftest import sqlite_uri
 from tests.training.test_pretrain import _cfg, _env, _history
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def _setup(shards: Path, out: Path) -> tuple[Path, str]:
     out.mkdir(parents=True, exist_ok=True)
-    uri = f"sqlite:///{out / 'mlflow.db'}"
+    uri = sqlite_uri(out / "mlflow.db")
     cfg = _cfg(
         shards, out / "run", uri, steps=12, checkpoint__every_steps=4, checkpoint__keep_last=5
     )
@@ -39,12 +40,12 @@ def _run(cmd: list[str], fault: str | None = None) -> subprocess.CompletedProces
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _losses_twice_equal(uri: str, folder: Path, first_logged: int) -> None:
+def _losses_twice_equal(uri: str, folder: Path, first_logged: int, last_step: int = 12) -> None:
     """Steps logged before the crash and again after the resume have the same loss."""
-    state, _ = ckpt.read_state(str(folder), "global_step12", 0)
+    state, _ = ckpt.read_state(str(folder), f"global_step{last_step}", 0)
     history = _history(uri, state.mlflow_run_id, "train/loss")
     steps = [s for s, _ in history]
-    assert sorted(set(steps)) == list(range(1, 13)), steps
+    assert sorted(set(steps)) == list(range(1, last_step + 1)), steps
     by_step: dict[int, list[float]] = {}
     for step, value in history:
         by_step.setdefault(step, []).append(value)

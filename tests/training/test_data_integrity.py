@@ -27,6 +27,7 @@ from bertpipe.preprocessing.shard_format import write_tar
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.collate import IdRangeError, check_ids
 from bertpipe.training.data import DataError, PretrainingData, load_manifest
+from tests.conftest import sqlite_uri
 from tests.training.test_data import (
     SPECIALS,
     UNEVEN,
@@ -445,7 +446,7 @@ def test_resume_with_loader_workers_is_exact_and_refuses_regenerated_data(
     data = tmp_path / "shards"
     shutil.copytree(pretrain_shards / "seq64", data / "seq64")
     shutil.copytree(pretrain_shards / "seq128", data / "seq128")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     args = [
         *_overrides(data, tmp_path / "run", uri, steps=8),
         "only_phase=phase1",

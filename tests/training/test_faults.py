@@ -24,7 +24,7 @@ from bertpipe.training.guard import guard_updates as _skip_nonfinite_updates
 from bertpipe.training.guard import poisoned as _poisoned
 from bertpipe.training.guard import weights_finite as _weights_finite
 from bertpipe.training.trainer import run_pretraining
-from tests.conftest import free_port
+from tests.conftest import free_port, sqlite_uri
 from tests.training.test_pretrain import _cfg, _env, _history, _overrides, _pretrain_cmd
 
 pytestmark = pytest.mark.integration
@@ -123,7 +123,7 @@ def test_nan_burst_is_skipped_and_the_run_completes(
     stage: int, pretrain_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(FAULT_NAN_STEPS, "3,4")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(
         pretrain_shards,
         tmp_path / "run",
@@ -168,7 +168,7 @@ def test_nonfinite_losses_are_logged_as_nan(
     reports for a skipped step (MLflow's SQL store keeps NaN and stores inf as the largest
     float)."""
     monkeypatch.setenv(FAULT_NAN_STEPS, "2")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(pretrain_shards, tmp_path / "run", uri, steps=3, only_phase="phase1")
     run_pretraining(cfg)
     state, _ = ckpt.read_state(cfg.checkpoint_dir, "global_step3", 0)
@@ -183,7 +183,7 @@ def test_persistent_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     pretrain_shards: Path, tmp_path: Path
 ) -> None:
     env = {**_env(), FAULT_NAN_STEPS: "6-"}
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     args = _overrides(pretrain_shards, tmp_path / "run", uri, steps=24)
     args += ["only_phase=phase1", "max_bad_steps=3", "checkpoint.every_steps=4"]
     proc = subprocess.run(_pretrain_cmd(args), env=env, capture_output=True, text=True)
@@ -221,7 +221,7 @@ def test_nan_on_one_rank_is_skipped_on_both(
     from bertpipe.config import to_yaml
 
     bin_dir = Path(sys.executable).parent
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(pretrain_shards, tmp_path / "run", uri, steps=6, zero__stage=stage)
     (tmp_path / "cfg.yaml").write_text(to_yaml(cfg))
     env = {**_env(), FAULT_NAN_STEPS: "3", FAULT_RANK: "1"}
@@ -266,7 +266,7 @@ def test_process_group_sigterm_with_loader_workers_saves_and_exits_143(
     """SIGTERM to the whole process group (SLURM preemption, scancel) with 2 loader workers:
     the workers ignore it, the trainer saves, shuts them down and exits 143; a resume then
     finishes the phase."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     args = _overrides(pretrain_shards, tmp_path / "run", uri, steps=24)
     args += ["only_phase=phase1", "data.num_workers=2"]
     proc = subprocess.Popen(
@@ -307,7 +307,7 @@ def test_process_group_sigterm_with_loader_workers_saves_and_exits_143(
 def test_exception_in_the_loop_saves_the_last_step_and_reraises(
     pretrain_shards: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     kw = {"steps": 8, "only_phase": "phase1", "checkpoint__every_steps": 4}
     monkeypatch.setenv(FAULT_RAISE_STEP, "6")
     with pytest.raises(RuntimeError, match="fault injection"):

@@ -18,6 +18,7 @@ import pytest
 
 from bertpipe.config import to_yaml
 from bertpipe.training import checkpoint as ckpt
+from tests.conftest import sqlite_uri
 from tests.training.test_pretrain import _cfg, _env, _history
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -56,7 +57,7 @@ def _child_env(extra: dict[str, str]) -> dict[str, str]:
 def _job(shards: Path, out: Path) -> list[str]:
     """A tiny phase 1 of 2 steps (global batch 16 = 8 per rank x 2 ranks)."""
     out.mkdir(parents=True)
-    cfg = _cfg(shards, out / "run", f"sqlite:///{out / 'mlflow.db'}", steps=2, eval__max_batches=1)
+    cfg = _cfg(shards, out / "run", sqlite_uri(out / "mlflow.db"), steps=2, eval__max_batches=1)
     (out / "cfg.yaml").write_text(to_yaml(cfg))
     return ["pretrain", "--config", str(out / "cfg.yaml"), "only_phase=phase1"]
 
@@ -86,7 +87,7 @@ def _assert_one_two_rank_job(out: Path, rank0_log: str, launcher_line: str) -> N
         "bertpipe_rank00000.json",
         "bertpipe_rank00001.json",
     ]
-    history = _history(f"sqlite:///{out / 'mlflow.db'}", state.mlflow_run_id, "train/loss")
+    history = _history(sqlite_uri(out / "mlflow.db"), state.mlflow_run_id, "train/loss")
     assert [step for step, _ in history] == [1, 2]
     summary = json.loads((out / "run" / "summary.json").read_text())
     assert summary["phase1"]["steps"] == 2

@@ -16,6 +16,7 @@ from bertpipe.config import load_config, to_yaml
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.trainer import run_pretraining
+from tests.conftest import sqlite_uri
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +78,7 @@ def reference_run(
 ) -> dict[str, object]:
     """Both phases, uninterrupted, in this process."""
     out = tmp_path_factory.mktemp("reference")
-    uri = f"sqlite:///{out / 'mlflow.db'}"
+    uri = sqlite_uri(out / "mlflow.db")
     cfg = _cfg(pretrain_shards, out / "run", uri, steps=24, tracking__system_metrics_interval_s=0.5)
     summary = run_pretraining(cfg)
     state, _ = ckpt.read_state(cfg.checkpoint_dir, ckpt.latest_tag(cfg.checkpoint_dir), 0)
@@ -157,7 +158,7 @@ def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path, s3
 
     env = {**_env(), "OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
-    ref_uri = f"sqlite:///{tmp_path / 'reference.db'}"
+    ref_uri = sqlite_uri(tmp_path / "reference.db")
     subprocess.run(
         _pretrain_cmd(_overrides(pretrain_shards, reference, ref_uri, steps=24)),
         env=env,
@@ -167,7 +168,7 @@ def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path, s3
     shards = f"{s3.bucket}/shards"
     s3fs.S3FileSystem().put(str(pretrain_shards), shards.removeprefix("s3://"), recursive=True)
     folder = f"{s3.bucket}/run/checkpoints"
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     args = _overrides(
         shards,
         tmp_path / "run",
@@ -253,7 +254,7 @@ def test_two_ranks_zero2_and_universal_resume(pretrain_shards: Path, tmp_path: P
     assert Path(bertpipe).exists(), "bertpipe must be installed (make install)"
     out = tmp_path / "one_node"
     out.mkdir()
-    uri = f"sqlite:///{out / 'mlflow.db'}"
+    uri = sqlite_uri(out / "mlflow.db")
     cfg = _cfg(pretrain_shards, out / "run", uri, steps=6, zero__stage=2)
     (out / "cfg.yaml").write_text(to_yaml(cfg))
     script = [bertpipe, "pretrain", "--config", str(out / "cfg.yaml"), "only_phase=phase1"]
@@ -280,7 +281,7 @@ def test_two_ranks_zero2_and_universal_resume(pretrain_shards: Path, tmp_path: P
         capture_output=True,
     )
     shutil.copy(folder / "global_step6" / "bertpipe_state.json", folder / "global_step6_universal")
-    uri = f"sqlite:///{tmp_path / 'one_node' / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "one_node" / "mlflow.db")
     cfg = _cfg(
         pretrain_shards,
         tmp_path / "one_node" / "run",
@@ -329,7 +330,7 @@ def test_lamb_at_zero1_trains_and_resumes_exactly(pretrain_shards: Path, tmp_pat
     trainer: it learns, logs its trust ratios, and a resume from its checkpoint is exact."""
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     extra = {
         "optimizer__name": "lamb",
         "phases[0]__decay": "poly",

@@ -25,6 +25,7 @@ import torch
 from bertpipe.config import load_config
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.trainer import run_pretraining
+from tests.conftest import sqlite_uri
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -47,7 +48,7 @@ RECIPES = {
 def _curve(shards: Path, out: Path, optimizer: str, threads: int) -> dict[str, list[float]]:
     import mlflow
 
-    uri = f"sqlite:///{out / 'mlflow.db'}"
+    uri = sqlite_uri(out / "mlflow.db")
     cfg = load_config(
         PretrainConfig,
         None,

@@ -20,6 +20,7 @@ from bertpipe.config import ConfigError
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.faults import Faults
 from bertpipe.training.trainer import run_pretraining
+from tests.conftest import sqlite_uri
 from tests.training.test_pretrain import _cfg
 
 pytestmark = pytest.mark.integration
@@ -50,7 +51,7 @@ def _kw(**extra: Any) -> dict[str, Any]:
 def run_to_8(pretrain_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Phase 1, 8 steps of one micro-batch, checkpoints at steps 4 and 8."""
     out = tmp_path_factory.mktemp("resume-changes")
-    uri = f"sqlite:///{out / 'mlflow.db'}"
+    uri = sqlite_uri(out / "mlflow.db")
     seen: dict[int, float] = {}
     with pytest.MonkeyPatch.context() as mp:
         seen = _spy_losses(mp)
@@ -154,7 +155,7 @@ def test_a_changed_shape_or_batch_is_refused_with_one_line(
 def test_an_error_before_the_first_step_writes_no_checkpoint(
     pretrain_shards: Path, tmp_path: Path
 ) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(pretrain_shards, tmp_path / "run", uri, steps=4, **_kw())
     with pytest.raises(RuntimeError, match="fault injection"):
         run_pretraining(cfg, faults=Faults(raise_step=1))
@@ -168,7 +169,7 @@ def test_phase_two_restarts_the_step_counter_when_asked(
     ``optimizer.reset_step_per_phase`` (NVIDIA's phase 2) the saved optimizer state counts
     phase 2's 4 steps, not 8 (the optimizer-level tests compare the update itself with
     apex's bias correction)."""
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = _cfg(
         pretrain_shards,
         tmp_path / "run",

@@ -11,6 +11,7 @@ import pytest
 from bertpipe import tracking
 from bertpipe.config import load_config
 from bertpipe.training.config import PretrainConfig
+from tests.conftest import sqlite_uri
 
 
 @dataclass
@@ -44,7 +45,7 @@ def test_lists_of_sections_get_index_keys_and_limits_hold() -> None:
 def test_pretrain_phases_are_logged_flat_to_a_real_store(tmp_path: Path) -> None:
     import mlflow
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = load_config(
         PretrainConfig,
         "pretrain-demo",

@@ -16,13 +16,13 @@ from bertpipe import tracking
 from bertpipe.tracking import client as tracking_client
 from bertpipe.tracking import lifecycle as tracking_lifecycle
 from bertpipe.tracking import outbox as tracking_outbox
-from tests.conftest import free_port
+from tests.conftest import free_port, sqlite_uri
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _setup(tmp_path: Path) -> tuple[tracking.TrackingConfig, str, str, Path]:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_uri(tmp_path / "mlflow.db")
     cfg = tracking.TrackingConfig(uri=uri, experiment="buffer")
     return cfg, uri, f"http://127.0.0.1:{free_port()}", tmp_path / "out" / tracking.BUFFER_NAME
 
