@@ -331,3 +331,30 @@ def s3(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Env]:
         yield S3Env(s3_server, s3_server.make_bucket(), env)
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's worksteal (``make test``), each half of the run starts with slow
+    tests and ends with quick ones.
+
+    worksteal gives each of the two workers one contiguous half of the collection, and a worker
+    that runs dry takes the second half of the other's queue. With the slow tests (``slow``:
+    minute-long, multi-process) at the head of both halves, what is stolen and run last is
+    quick, so neither core sits idle while the other finishes a minute-long test. A slow
+    module's slow tests stay together (module fixtures are built once per worker). Every
+    worker computes the same order, as xdist requires."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    groups: dict[str, list[pytest.Item]] = {}
+    light: list[pytest.Item] = []
+    for item in items:
+        if item.get_closest_marker("slow"):
+            groups.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+        else:
+            light.append(item)
+    heavy: tuple[list[pytest.Item], list[pytest.Item]] = ([], [])
+    for group in sorted(groups.values(), key=len, reverse=True):  # the larger groups first
+        min(heavy, key=len).extend(group)
+    half = len(items) // 2
+    cut = max(0, min(len(light), half - len(heavy[0])))
+    items[:] = [*heavy[0], *light[:cut], *heavy[1], *light[cut:]]

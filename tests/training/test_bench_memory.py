@@ -55,6 +55,7 @@ def _bench(*args: str) -> dict:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bench_memory_tiny_zero2_on_two_ranks() -> None:
     result = _bench(
         "--config", "bert-large-lamb", "--preset", "tiny", "--ranks", "2", "--steps", "1",

@@ -51,6 +51,7 @@ COMMON = ("--preset", "tiny", "--seq-len", "128", "--micro-batch", "8", "--warmu
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_bench_train_unpadded_equals_padded_losses_on_cpu() -> None:
     """Smoke test of the benchmark; without dropout both paths give the same losses."""
     runs = {

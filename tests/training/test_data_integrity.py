@@ -431,6 +431,7 @@ def _run_cmd(args: list[str], env: dict[str, str]) -> subprocess.CompletedProces
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_resume_with_loader_workers_is_exact_and_refuses_regenerated_data(
     pretrain_shards: Path, tmp_path: Path
 ) -> None:

@@ -179,6 +179,7 @@ def test_nonfinite_losses_are_logged_as_nan(
     assert norms[2] >= 1.7e308  # inf, or what the SQL store makes of it
 
 
+@pytest.mark.slow
 def test_persistent_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     pretrain_shards: Path, tmp_path: Path
 ) -> None:
@@ -260,6 +261,7 @@ def test_prune_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- preemption, exceptions
 
 
+@pytest.mark.slow
 def test_process_group_sigterm_with_loader_workers_saves_and_exits_143(
     pretrain_shards: Path, tmp_path: Path
 ) -> None:

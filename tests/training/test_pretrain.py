@@ -142,6 +142,7 @@ def _pretrain_cmd(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "bertpipe.app.cli", "pretrain", *args]
 
 
+@pytest.mark.slow
 def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path, s3) -> None:
     """An uninterrupted run and a run stopped by SIGTERM then resumed log the same losses.
 
