@@ -78,7 +78,9 @@ def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
         )
     cfg.check_runnable()
     files = fsio.expand_urls(cfg.input.paths) if cfg.input.paths else []
-    with tracking.start_run(cfg.tracking, "tokenizer", config=cfg, run_name="tokenizer") as run:
+    with tracking.start_run(
+        cfg.tracking, "tokenizer", config=cfg, run_name=cfg.tracking.run_name or "tokenizer"
+    ) as run:
         if run is not None:
             source = [cfg.vocab_file] if cfg.vocab_file else files
             tracking.log_inputs(
@@ -318,7 +320,11 @@ def run_preprocess(
     files = sorted({r.url for r in ranges})
     tags = {tracking.TAG_TOKENIZER: plan.tokenizer_sha256}
     with tracking.start_run(
-        cfg.tracking, "preprocess", config=cfg, run_name="preprocess", tags=tags
+        cfg.tracking,
+        "preprocess",
+        config=cfg,
+        run_name=cfg.tracking.run_name or "preprocess",
+        tags=tags,
     ) as run:
         if run is not None:  # what it reads: the corpus, and the tokenizer's logged model
             tokenizer = tracking.find_model(

@@ -207,7 +207,7 @@ def test_tokenizer_cli_trains_and_imports(
         "vocab_size=300",
         "tracking.enabled=false",
     ]
-    assert main([*args[:-1], f"tracking.uri={mlflow_uri}"]) == 0
+    assert main([*args[:-1], f"tracking.uri={mlflow_uri}", "tracking.run_name=tok-300"]) == 0
     vocab = (out / "vocab.txt").read_text().splitlines()
     assert len(vocab) == 300 and vocab[2] == "[CLS]"
     # its MLflow run spans the training, reads the corpus and outputs the tokenizer as a model
@@ -216,7 +216,7 @@ def test_tokenizer_cli_trains_and_imports(
     mlflow.set_tracking_uri(mlflow_uri)
     client = mlflow.MlflowClient()
     (run,) = mlflow.search_runs(experiment_names=["bertpipe"], output_format="list")
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FINISHED" and run.info.run_name == "tok-300"
     assert run.info.end_time - run.info.start_time >= 1000 * run.data.metrics["seconds"]
     (corpus,) = run.inputs.dataset_inputs
     assert corpus.dataset.name == "corpus"
