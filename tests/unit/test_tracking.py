@@ -84,3 +84,43 @@ def test_a_registry_failure_is_one_line_naming_the_uri_key(
     message = str(info.value)
     assert message.startswith("tracking.uri: ") and "\n" not in message
     assert "127.0.0.1" in message and "'m'" in message
+
+
+def test_sigterm_ends_a_stage_run_killed_and_the_cli_exits_143(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM while a stage's run is open (a tokenizer or Beam job being stopped) ends the
+    run KILLED instead of leaving it RUNNING, restores the default handler, and the command
+    line exits 143 as a killed process would."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import mlflow
+
+    from bertpipe.app.cli import main
+    from bertpipe.errors import Terminated
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers need the main thread (this pytest runs tests elsewhere)")
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        pytest.skip("this process already handles SIGTERM")
+    uri = sqlite_uri(tmp_path / "mlflow.db")
+    cfg = tracking.TrackingConfig(uri=uri, system_metrics=False)
+    run_id = None
+    with pytest.raises(Terminated), tracking.start_run(cfg, "preprocess") as run:
+        run_id = run.info.run_id
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(10)  # interrupted by the handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert mlflow.MlflowClient(uri).get_run(run_id).info.status == "KILLED"
+
+    def stopped(cfg: object) -> None:
+        raise Terminated()
+
+    monkeypatch.setattr("bertpipe.preprocessing.run.train_tokenizer", stopped)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a b c\n")
+    argv = ["tokenizer", "train", f"input.paths=[{corpus}]", f"output={tmp_path / 'tok'}"]
+    assert main([*argv, "tracking.enabled=false"]) == 143
