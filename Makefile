@@ -44,8 +44,9 @@ lint: install
 # tests otherwise left one core idle at the end: 11:00 against 8:10)
 # (the tests with ranks on two test hosts, marked multihost, are part of it: they need root,
 # iproute2, sshd and pdsh, which .ci/run installs, and skip with the reason without them)
+# (--durations: CI's log shows where the suite's time goes)
 test: lint
-	$(BIN)/pytest -n 2 --dist worksteal
+	$(BIN)/pytest -n 2 --dist worksteal --durations=15
 
 # only the tests with ranks on two test hosts: the four launch paths, the lost node at ZeRO 3
 test-multihost: install
