@@ -124,3 +124,26 @@ def test_sigterm_ends_a_stage_run_killed_and_the_cli_exits_143(
     corpus.write_text("a b c\n")
     argv = ["tokenizer", "train", f"input.paths=[{corpus}]", f"output={tmp_path / 'tok'}"]
     assert main([*argv, "tracking.enabled=false"]) == 143
+
+
+def test_experiments_carry_mlflows_kind_tag_existing_ones_on_first_use(tmp_path: Path) -> None:
+    """New experiments are created with MLflow's kind tag for model training; one created
+    without it (by an older bertpipe, or by hand) gets it on first use; a kind someone chose
+    is kept."""
+    import mlflow
+
+    uri = sqlite_uri(tmp_path / "mlflow.db")
+    client = mlflow.MlflowClient(uri)
+    old = client.create_experiment("old", artifact_location=str(tmp_path / "a"))
+    chosen = client.create_experiment(
+        "chosen", artifact_location=str(tmp_path / "b"), tags={"mlflow.experimentKind": "x"}
+    )
+    ids = {
+        name: tracking.connect(tracking.TrackingConfig(uri=uri, experiment=name))
+        for name in ("new", "old", "chosen")
+    }
+    assert ids["old"] == old and ids["chosen"] == chosen
+    kinds = {n: client.get_experiment(i).tags.get("mlflow.experimentKind") for n, i in ids.items()}
+    assert kinds == {"new": "custom_model_development", "old": "custom_model_development"} | {
+        "chosen": "x"
+    }
