@@ -182,7 +182,9 @@ def log_folder_model(
         mlflow.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
         client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step=0)])
     except Exception as exc:  # tracking never stops a stage
-        reason = fsio.redact(" ".join(str(exc).split())[:300]) or type(exc).__name__
+        from bertpipe.tracking.registry import reason_line
+
+        reason = reason_line(exc)
         log.warning(
             "MLflow: %s %s not logged as a model of run %s: %s", name, folder, run_id, reason
         )

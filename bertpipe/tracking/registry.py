@@ -128,7 +128,7 @@ def log_hf_model(
             "%s at %s: %s; the model is not logged there",
             what,
             fsio.redact(mlflow.get_tracking_uri()),
-            _reason(exc),
+            reason_line(exc),
         )
         return None
     registered = register_logged_model(model_id, register, uri_key=uri_key) if register else None
@@ -158,7 +158,8 @@ def register_logged_model(model_id: str, name: str, *, uri_key: str) -> str:
     return f"{name}/{version.version}"
 
 
-def _reason(exc: BaseException) -> str:
+def reason_line(exc: BaseException) -> str:
+    """An MLflow or storage error as one redacted line of at most 300 characters."""
     return fsio.redact(" ".join(str(exc).split())[:300]) or type(exc).__name__
 
 
@@ -168,7 +169,7 @@ def _registry_error(uri_key: str, what: str, exc: BaseException) -> RegistryErro
     return RegistryError(
         uri_key,
         f"{what} in the MLflow model registry at {fsio.redact(mlflow.get_tracking_uri())}: "
-        f"{_reason(exc)} (check that the tracking store is reachable and has a model "
+        f"{reason_line(exc)} (check that the tracking store is reachable and has a model "
         f"registry, or point {uri_key} at one)",
     )
 
