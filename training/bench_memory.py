@@ -35,7 +35,7 @@ stage asked for runs ``--ranks`` processes on this machine (``torch.multiprocess
   of the forward itself are not in this figure.
 * ``peak_rss_gb`` (``ru_maxrss``) and the time per step, as context.
 
-The plan's figures come from :func:`bertpipe.training.plan.estimate_memory` for the same
+The plan's figures come from :func:`bertpipe.training.plan_memory.estimate_memory` for the same
 model, micro batch, world size (``--ranks``), ZeRO stage and precision; the table gives
 measured / planned per category and the last line of output is one JSON object.
 LAMB at ZeRO 3 is refused by the config (whole-tensor trust ratios need stages 1-2); the
@@ -399,7 +399,7 @@ def _top(paths: dict[str, int], n: int = 12) -> dict[str, int]:
 def _model_config(cfg: Any) -> Any:
     """The model of the config as plan sizes it (no manifest: plan's default vocabulary)."""
     from bertpipe.training.model import BertModelConfig
-    from bertpipe.training.plan import DEFAULT_VOCAB_SIZE
+    from bertpipe.training.plan_options import DEFAULT_VOCAB_SIZE
 
     return BertModelConfig.preset(cfg.model.preset, DEFAULT_VOCAB_SIZE, **cfg.model.overrides())
 
@@ -455,7 +455,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from bertpipe.config import load_config
     from bertpipe.recipes import resolve
     from bertpipe.training.config import PretrainConfig
-    from bertpipe.training.plan import DEFAULT_SEQ_LENS, PlanOptions
+    from bertpipe.training.plan_options import DEFAULT_SEQ_LENS, PlanOptions
 
     config = resolve(args.config)
     base = load_config(PretrainConfig, config, list(args.overrides))
@@ -542,7 +542,7 @@ def _compare(
     wall: float,
 ) -> dict[str, Any]:
     """Measured (the largest rank per category) against plan's estimate of the same run."""
-    from bertpipe.training.plan import estimate_memory
+    from bertpipe.training.plan_memory import estimate_memory
 
     plan = estimate_memory(
         _model_config(cfg),

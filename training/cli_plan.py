@@ -87,7 +87,8 @@ from bertpipe.training.plan_options import PlanOptions
 
 if TYPE_CHECKING:
     from bertpipe.training.config import PretrainConfig
-    from bertpipe.training.plan import Plan, StepTime
+    from bertpipe.training.plan import Plan
+    from bertpipe.training.plan_time import StepTime
 
 __all__ = ["PLAN_FLAGS", "add_plan_command", "render_plan"]
 
@@ -153,7 +154,7 @@ def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
 
 def render_plan(plan: Plan) -> str:
     """The plan as a readable table, one column per phase."""
-    from bertpipe.training.plan import GIB
+    from bertpipe.training.plan_memory import GIB
 
     m = plan.model
     lines = ["bertpipe plan: nothing is started; every figure is an estimate (assumptions below)"]

@@ -14,26 +14,23 @@ import torch
 import bertpipe.app.cli
 from bertpipe.config import ConfigError, from_dict
 from bertpipe.errors import BertpipeError
+from bertpipe.formatting import format_hmm
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.data import partition_blocks
 from bertpipe.training.flops import peak_flops, training_flops_per_sequence
 from bertpipe.training.model import BertLayer, BertModelConfig
-from bertpipe.training.plan import (
+from bertpipe.training.plan import make_plan
+from bertpipe.training.plan_data import data_plan, read_manifest
+from bertpipe.training.plan_memory import (
     GIB,
-    PlanOptions,
     activation_bytes,
     buffer_bytes,
-    comm_bytes_per_step,
-    comm_passes_per_step,
-    data_plan,
     estimate_memory,
-    format_hmm,
-    make_plan,
     model_state_bytes,
-    read_manifest,
-    resolve_world,
-    step_time,
 )
+from bertpipe.training.plan_options import PlanOptions
+from bertpipe.training.plan_time import comm_bytes_per_step, comm_passes_per_step, step_time
+from bertpipe.training.plan_world import resolve_world
 
 
 def tiny_model(**overrides: Any) -> BertModelConfig:
