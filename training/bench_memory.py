@@ -51,7 +51,6 @@ import json
 import logging
 import math
 import os
-import re
 import socket
 import sys
 import tempfile
@@ -60,14 +59,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bertpipe.training.bench_memory_tally import ActivationMeter, StorageTally, tally_engine
+
 log = logging.getLogger(__name__)
 
-__all__ = ["CATEGORIES", "StorageTally", "add_arguments", "run_bench"]
+__all__ = ["CATEGORIES", "add_arguments", "run_bench"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_states")
 """The model-state categories compared with the plan (its MemoryEstimate field names)."""
-
-_WALK_DEPTH = 6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,136 +91,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop the ranks when their resident memory together exceeds this",
     )
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides")
-
-
-# --------------------------------------------------------------------------- counting
-
-
-def _storage(t: Any) -> tuple[int, int]:
-    s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
-
-
-class StorageTally:
-    """Bytes by category, each storage counted once (the first category that claims it)."""
-
-    def __init__(self) -> None:
-        self.owner: dict[int, str] = {}
-        self.bytes: dict[str, int] = {}
-        self.paths: dict[str, int] = {}
-
-    def add(self, category: str, tensor: Any, path: str = "") -> None:
-        import torch
-
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
-            return
-        ptr, nbytes = _storage(tensor)
-        if nbytes == 0 or ptr in self.owner:
-            return
-        self.owner[ptr] = category
-        self.bytes[category] = self.bytes.get(category, 0) + nbytes
-        if path:
-            path = category + ": " + re.sub(r"\[[^]]*\]", "[i]", path)
-            self.paths[path] = self.paths.get(path, 0) + nbytes
-
-    def get(self, category: str) -> int:
-        return self.bytes.get(category, 0)
-
-
-def _walk(obj: Any, path: str, seen: set[int], depth: int) -> Iterator[tuple[str, Any]]:
-    """(attribute path, tensor) for every tensor reachable from DeepSpeed's optimizer."""
-    import torch
-    from torch import nn
-
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-        if obj.grad is not None:
-            yield path + ".grad", obj.grad
-        return
-    if depth == 0 or id(obj) in seen or isinstance(obj, nn.Module | str | bytes | int | float):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk(v, f"{path}[{k!r}]", seen, depth - 1)
-    elif isinstance(obj, list | tuple | set):
-        for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}[{i}]", seen, depth - 1)
-    elif type(obj).__module__.startswith(("deepspeed", "torch.optim", "bertpipe")):
-        for k, v in vars(obj).items() if hasattr(obj, "__dict__") else ():
-            yield from _walk(v, f"{path}.{k}", seen, depth - 1)
-
-
-def _tally(engine: Any, model: Any) -> StorageTally:
-    """Everything the rank's engine holds, by category (module doc)."""
-    tally = StorageTally()
-    walked = list(_walk(engine.optimizer, "optimizer", set(), _WALK_DEPTH))
-    for path, t in walked:  # buckets first: a parameter's .grad may be a view of one
-        if "ipg" in path.lower() or "bucket" in path.lower():
-            tally.add("buffers", t, path)
-    for p in model.parameters():
-        tally.add("parameters", p.data, "module.parameters")
-        ds_tensor = getattr(p, "ds_tensor", None)
-        if ds_tensor is not None:
-            tally.add("parameters", ds_tensor, "module.parameters.ds_tensor")
-    for p in model.parameters():
-        if p.grad is not None:
-            tally.add("gradients", p.grad, "module.parameters.grad")
-    client = engine.basic_optimizer
-    for group in client.param_groups:
-        for p in group["params"]:
-            tally.add("optimizer_states", p.data, "client.params")
-            if p.grad is not None:
-                tally.add("gradients", p.grad, "client.params.grad")
-    for state in client.state.values():
-        for key, value in state.items():
-            tally.add("optimizer_states", value, f"client.state.{key}")
-    for path, t in walked:
-        name = path.lower()
-        if "grad" in name:
-            tally.add("gradients", t, path)
-        elif "fp32" in name:  # ZeRO 3's master partitions, not in the client's groups
-            tally.add("optimizer_states", t, path)  # outside its step
-        else:
-            tally.add("other", t, path)
-    return tally
-
-
-class ActivationMeter:
-    """Bytes of the tensors autograd saves for backward while active (module doc)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.saved: dict[int, int] = {}
-        self._params: set[int] = set()
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> ActivationMeter:
-        import torch
-
-        self._params = {_storage(p.data)[0] for p in self.model.parameters()}
-        self._stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
-
-    def _pack(self, t: Any) -> Any:
-        from torch import nn
-
-        if not isinstance(t, nn.Parameter):
-            ptr, nbytes = _storage(t)
-            if ptr not in self._params:
-                self.saved[ptr] = nbytes
-        return t
-
-    @property
-    def total(self) -> int:
-        return sum(self.saved.values())
-
-
-def _unpack(t: Any) -> Any:
-    return t
 
 
 # --------------------------------------------------------------------------- one rank
@@ -333,7 +202,7 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
 
     def on_client_step() -> None:
         if last["step"] == steps:
-            in_step.append(_tally(engine, model))
+            in_step.append(tally_engine(engine, model))
 
     def mark(part: str) -> None:
         if last["step"] != steps:
@@ -343,13 +212,13 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
         elif part == "forward":
             measuring.close()
         elif part == "backward":
-            tally = _tally(engine, model)
+            tally = tally_engine(engine, model)
             points["after_backward"] = tally.bytes
             points["paths_after_backward"] = _top(tally.paths)
 
     def before_epilogue() -> None:
         if last["step"] == steps:
-            points["before_epilogue"] = _tally(engine, model).bytes
+            points["before_epilogue"] = tally_engine(engine, model).bytes
 
     _wrap_client_step(engine, on_client_step)
     _wrap_epilogue(engine, before_epilogue)
@@ -362,7 +231,7 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
         times.append(time.perf_counter() - started)
         if info.is_main:
             log.warning("ZeRO %d, step %d: %.1f s", cfg.zero.stage, n, times[-1])
-    after = _tally(engine, model)
+    after = tally_engine(engine, model)
     peak_in_step = max(in_step, key=lambda t: sum(t.bytes.values()), default=StorageTally())
     grads = max(
         points.get(p, {}).get("gradients", 0) for p in ("before_epilogue", "after_backward")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from bertpipe.training.bench_memory import ActivationMeter, StorageTally
+from bertpipe.training.bench_memory_tally import ActivationMeter, StorageTally
 from bertpipe.training.model import BertModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
