@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from bertpipe.config import ConfigError
 from bertpipe.finetuning.config import TaskConfig
 from bertpipe.finetuning.metrics import compute_task_metrics
-from bertpipe.finetuning.tasks import conll, glue, squad
+from bertpipe.finetuning.tasks import conll, glue, glue_tasks, squad
 from bertpipe.finetuning.tasks.base import (
     Features,
     ReadReport,
@@ -107,7 +107,7 @@ def load_task(cfg: TaskConfig, tokenizer: Tokenizer, max_positions: int) -> Task
 
 def _pairs(cfg: TaskConfig, tokenizer: Tokenizer) -> TaskData:
     if cfg.family == "glue":
-        spec = glue.glue_task(cfg.name).spec
+        spec = glue_tasks.glue_task(cfg.name).spec
 
         def read(path: str) -> tuple[list[glue.PairExample], ReadReport]:
             return glue.read_glue(cfg.name, path)

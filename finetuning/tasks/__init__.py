@@ -1,7 +1,8 @@
 """Task data for fine-tuning: readers, featurization, span decoding and prediction files.
 
 - :mod:`.base`: read reports, :class:`TaskSpec`, the feature-dict conventions, writers
-- :mod:`.glue`: the nine GLUE tasks, generic CSV/TSV/JSONL tables, sentence-pair features
+- :mod:`.glue`: GLUE files, generic CSV/TSV/JSONL tables, sentence-pair features
+- :mod:`.glue_tasks`: the nine GLUE tasks (spec, columns, file names)
 - :mod:`.squad`: SQuAD v1.1/v2.0 reader, windowed features, decoding, EM/F1
 - :mod:`.conll`: CoNLL-2003 NER reader, first-sub-token features, entity-level scores
 """
@@ -26,18 +27,16 @@ from bertpipe.finetuning.tasks.conll import (
     write_conll_predictions,
 )
 from bertpipe.finetuning.tasks.glue import (
-    GLUE_TASKS,
     PairExample,
     TableColumns,
     encode_pairs,
     featurize_pairs,
-    glue_file,
-    glue_task,
     read_glue,
     read_table,
     table_spec,
     write_glue_predictions,
 )
+from bertpipe.finetuning.tasks.glue_tasks import GLUE_TASKS, glue_file, glue_task
 from bertpipe.finetuning.tasks.squad import (
     SquadExample,
     check_squad_lengths,

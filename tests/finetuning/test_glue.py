@@ -14,14 +14,13 @@ from bertpipe.finetuning.tasks.glue import (
     TableColumns,
     encode_pairs,
     featurize_pairs,
-    glue_file,
-    glue_task,
     read_glue,
     read_table,
     table_spec,
     truncate_pair_lengths,
     write_glue_predictions,
 )
+from bertpipe.finetuning.tasks.glue_tasks import glue_file, glue_task
 
 MNLI_TRAIN = [
     "index",

@@ -20,7 +20,7 @@ from bertpipe.finetuning.metrics import (
 )
 from bertpipe.finetuning.tasks.base import TaskSpec
 from bertpipe.finetuning.tasks.conll import conll_spec
-from bertpipe.finetuning.tasks.glue import glue_task
+from bertpipe.finetuning.tasks.glue_tasks import glue_task
 from bertpipe.finetuning.tasks.squad import squad_spec
 
 
