@@ -8,6 +8,8 @@ that gathers them is the application layer's (:mod:`bertpipe.app.cli`).
   ``key.sub=value`` overrides (command line > file > defaults), ``--print-config``, and a
   ``-h/--help [SECTION]`` that lists every config key (:class:`ConfigHelpAction`, generated
   from the config dataclasses by :mod:`bertpipe.config_help`).
+* :func:`add_stage_command`: one stage command registered in one call (its subparser, the
+  config arguments above and its handler).
 * :func:`add_global_options`: ``--log-level`` and ``--traceback``, before or after a command.
 * :func:`add_dataclass_arguments` / :func:`dataclass_from_args`: one ``--flag`` per field of
   an options dataclass (``bertpipe plan``'s, ``bertpipe runs compare``'s), its type, default
@@ -37,6 +39,7 @@ __all__ = [
     "add_config_arguments",
     "add_dataclass_arguments",
     "add_global_options",
+    "add_stage_command",
     "config_from_args",
     "dataclass_from_args",
     "write_resolved_config",
@@ -137,6 +140,34 @@ def add_config_arguments(
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config as YAML and exit"
     )
+
+
+def add_stage_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    *,
+    help: str,
+    description: str,
+    config: str,
+    example: str,
+    examples: Sequence[str],
+    handler: Callable[[argparse.Namespace, list[str]], int],
+    raw_description: bool = False,
+) -> argparse.ArgumentParser:
+    """Register the stage command ``name`` on ``sub``: a subparser with ``help`` and
+    ``description`` (kept as written with ``raw_description``, else re-wrapped), the config
+    arguments of :func:`add_config_arguments` for ``config`` (``"package.module:ConfigClass"``)
+    with its ``example`` and ``examples``, and ``handler(args, passthrough)`` as what runs it.
+    Returns the parser, for the command's own arguments."""
+    extra: dict[str, Any] = {}
+    if raw_description:
+        extra["formatter_class"] = argparse.RawDescriptionHelpFormatter
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=help, description=description, add_help=False, **extra
+    )
+    add_config_arguments(parser, config, example=example, examples=examples)
+    parser.set_defaults(handler=handler)
+    return parser
 
 
 def config_from_args(cls: type[T], args: argparse.Namespace, extra: Sequence[str] = ()) -> T | None:

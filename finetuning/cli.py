@@ -6,12 +6,13 @@ import argparse
 import json
 import sys
 
-from bertpipe.cli_args import add_config_arguments, config_from_args
+from bertpipe.cli_args import add_stage_command, config_from_args
 from bertpipe.storage_check import preflight
 
 
 def add_finetune_command(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    add_stage_command(
+        sub,
         "finetune",
         help="fine-tune a pre-trained BERT on one task (GLUE, tables, SQuAD, CoNLL)",
         description=(
@@ -21,11 +22,7 @@ def add_finetune_command(sub: argparse._SubParsersAction) -> None:
             "epoch's model is kept. Runs under the deepspeed launcher too (one process by "
             "default)."
         ),
-        add_help=False,
-    )
-    add_config_arguments(
-        parser,
-        "bertpipe.finetuning.config:FinetuneConfig",
+        config="bertpipe.finetuning.config:FinetuneConfig",
         example="learning_rate=2e-5 task.max_seq_length=384",
         examples=[
             "bertpipe finetune init_from=runs/bert-large/hf task.family=glue task.name=mrpc "
@@ -33,8 +30,8 @@ def add_finetune_command(sub: argparse._SubParsersAction) -> None:
             "bertpipe finetune init_from=runs/bert-large/hf task.family=squad task.name=squad2 "
             "task.train=train-v2.0.json 'task.dev=[dev-v2.0.json]' task.max_seq_length=384",
         ],
+        handler=_finetune,
     )
-    parser.set_defaults(handler=_finetune)
 
 
 def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
@@ -67,7 +64,8 @@ def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
 
 
 def add_sweep_command(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    add_stage_command(
+        sub,
         "sweep",
         help="fine-tune over a hyper-parameter grid (the paper's by default), nested MLflow runs",
         description=(
@@ -75,11 +73,7 @@ def add_sweep_command(sub: argparse._SubParsersAction) -> None:
             "learning rate 5e-5/4e-5/3e-5/2e-5 x batch 16/32 x epochs 2/3/4), each a nested "
             "MLflow run under one parent run that records the best. Reads the finetune config."
         ),
-        add_help=False,
-    )
-    add_config_arguments(
-        parser,
-        "bertpipe.finetuning.config:FinetuneConfig",
+        config="bertpipe.finetuning.config:FinetuneConfig",
         example="'sweep.learning_rate=[5e-5,3e-5]' sweep.max_trials=4",
         examples=[
             "bertpipe sweep init_from=runs/bert-base/hf task.family=glue task.name=sst-2 "
@@ -87,8 +81,8 @@ def add_sweep_command(sub: argparse._SubParsersAction) -> None:
             "bertpipe sweep init_from=runs/bert-base/hf task.family=conll task.name=ner "
             "task.train=train.txt 'task.dev=[dev.txt]' 'sweep.epochs=[3]' sweep.max_trials=4",
         ],
+        handler=_sweep,
     )
-    parser.set_defaults(handler=_sweep)
 
 
 def _sweep(args: argparse.Namespace, passthrough: list[str]) -> int:

@@ -6,14 +6,15 @@ import argparse
 import json
 import sys
 
-from bertpipe.cli_args import add_config_arguments, config_from_args, write_resolved_config
+from bertpipe.cli_args import add_stage_command, config_from_args, write_resolved_config
 from bertpipe.storage_check import preflight
 
 
 def add_tokenizer_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("tokenizer", help="train or import the WordPiece tokenizer")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    train = actions.add_parser(
+    train = add_stage_command(
+        actions,
         "train",
         help="train a BERT WordPiece vocabulary (or import vocab_file=vocab.txt)",
         description=(
@@ -21,11 +22,7 @@ def add_tokenizer_command(sub: argparse._SubParsersAction) -> None:
             "imports an existing vocab.txt (vocab_file=...), and writes tokenizer.json, "
             "vocab.txt and tokenizer_config.json to `output`."
         ),
-        add_help=False,
-    )
-    add_config_arguments(
-        train,
-        "bertpipe.preprocessing.config:TokenizerConfig",
+        config="bertpipe.preprocessing.config:TokenizerConfig",
         example="vocab_size=32000 sample_fraction=0.1",
         examples=[
             "bertpipe tokenizer train --config tokenizer 'input.paths=[corpus/wiki/*.txt.gz]' "
@@ -33,9 +30,9 @@ def add_tokenizer_command(sub: argparse._SubParsersAction) -> None:
             "bertpipe tokenizer train vocab_file=uncased_L-12_H-768_A-12/vocab.txt "
             "output=runs/google-vocab",
         ],
+        handler=_tokenizer_train,
     )
     train.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer")
-    train.set_defaults(handler=_tokenizer_train)
 
 
 def _tokenizer_train(args: argparse.Namespace, passthrough: list[str]) -> int:
@@ -56,7 +53,8 @@ def _tokenizer_train(args: argparse.Namespace, passthrough: list[str]) -> int:
 
 
 def add_preprocess_command(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    parser = add_stage_command(
+        sub,
         "preprocess",
         help="documents -> masked-LM/NSP instances in WebDataset shards (Apache Beam)",
         description=(
@@ -64,11 +62,7 @@ def add_preprocess_command(sub: argparse._SubParsersAction) -> None:
             "PipelineOptions, e.g. `-- --direct_running_mode=multi_processing "
             "--direct_num_workers=4` or `-- --runner=DaskRunner --dask_client_address=HOST:8786`."
         ),
-        add_help=False,
-    )
-    add_config_arguments(
-        parser,
-        "bertpipe.preprocessing.config:PreprocessConfig",
+        config="bertpipe.preprocessing.config:PreprocessConfig",
         example="dupe_factor=10 'phases[1].max_predictions_per_seq=76'",
         examples=[
             "bertpipe preprocess --config preprocess 'input.paths=[corpus/]' "
@@ -76,9 +70,9 @@ def add_preprocess_command(sub: argparse._SubParsersAction) -> None:
             "bertpipe preprocess --config preprocess 'input.paths=[s3://bucket/wiki/*.jsonl.gz]' "
             "input.format=jsonl masking.whole_word=true dupe_factor=10",
         ],
+        handler=_preprocess,
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing shards")
-    parser.set_defaults(handler=_preprocess)
 
 
 def _preprocess(args: argparse.Namespace, passthrough: list[str]) -> int:

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from bertpipe.cli_args import add_config_arguments, config_from_args
+from bertpipe.cli_args import add_stage_command, config_from_args
 from bertpipe.storage_check import preflight
 
 PRETRAIN_DESCRIPTION = """\
@@ -37,16 +37,13 @@ A run resumes from its latest checkpoint by default (checkpoint.resume=auto)."""
 
 
 def add_pretrain_command(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser(
+    add_stage_command(
+        sub,
         "pretrain",
         help="pre-train BERT with DeepSpeed (run it under the deepspeed launcher for >1 process)",
         description=PRETRAIN_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        add_help=False,
-    )
-    add_config_arguments(
-        parser,
-        "bertpipe.training.config:PretrainConfig",
+        raw_description=True,
+        config="bertpipe.training.config:PretrainConfig",
         example="zero.stage=2 'phases[0].max_steps=500'",
         examples=[
             "bertpipe pretrain --config demo output=runs/try1  # one process, no launcher",
@@ -54,8 +51,8 @@ def add_pretrain_command(sub: argparse._SubParsersAction) -> None:
             "'phases[0].micro_batch_size=16'",
             "bertpipe pretrain --config bert-large-lamb checkpoint.resume=global_step1000",
         ],
+        handler=_pretrain,
     )
-    parser.set_defaults(handler=_pretrain)
 
 
 def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:

@@ -77,8 +77,8 @@ from typing import TYPE_CHECKING
 
 from bertpipe.cli_args import (
     Flag,
-    add_config_arguments,
     add_dataclass_arguments,
+    add_stage_command,
     config_from_args,
     dataclass_from_args,
 )
@@ -106,7 +106,8 @@ PLAN_FLAGS: dict[str, Flag] = {
 
 def add_plan_command(sub: argparse._SubParsersAction) -> None:
     """Register ``bertpipe plan``."""
-    parser = sub.add_parser(
+    parser = add_stage_command(
+        sub,
         "plan",
         help="print world size, batch arithmetic, data per rank, memory and time per phase",
         description=(
@@ -116,21 +117,17 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
             "memory for the chosen ZeRO stage and precision and, with --gpu, the time. "
             "Every assumption is printed with the plan."
         ),
-        add_help=False,
-    )
-    add_config_arguments(
-        parser,
-        "bertpipe.training.config:PretrainConfig",
+        config="bertpipe.training.config:PretrainConfig",
         example="optimizer.name=adamw zero.stage=2",
         examples=[
             "bertpipe plan --config bert-large-lamb --nodes 4 --gpus-per-node 8 --gpu h100",
             "bertpipe plan --config bert-base-adamw --nodes 1 --gpus-per-node 8 --gpu a100-80g "
             "zero.stage=2 'phases[0].micro_batch_size=64'",
         ],
+        handler=_plan,
     )
     add_dataclass_arguments(parser, PlanOptions, PLAN_FLAGS)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
-    parser.set_defaults(handler=_plan)
 
 
 def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
