@@ -253,17 +253,14 @@ def _record_in_mlflow(
                 uri_key, "the pre-training was not tracked in MLflow: pass the tracking URI"
             )
         return {}
-    import mlflow
-
     problem = None
     experiment_id = None
     if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite://") :]):
         problem = "no such database"
     else:
         try:
-            mlflow.set_tracking_uri(uri)
             if run_id is not None:
-                experiment_id = mlflow.MlflowClient().get_run(run_id).info.experiment_id
+                experiment_id = tracking.connect_to_run(uri, run_id)
             else:
                 experiment = (state.config.get("tracking") or {}).get("experiment", "bertpipe")
                 experiment_id = tracking.connect(
@@ -292,14 +289,13 @@ def _record_in_mlflow(
         if logged.registered:
             added["registered_model"] = logged.registered
     if run_id is not None:
-        client = mlflow.MlflowClient()
         where = str(out) if staging.is_remote(out) else str(Path(out).resolve())
-        client.set_tag(run_id, TAG_EXPORT_PATH, where)
+        tracking.set_run_tag(run_id, TAG_EXPORT_PATH, where)
         if "registered_model" in added:
-            client.set_tag(run_id, TAG_REGISTERED, added["registered_model"])
+            tracking.set_run_tag(run_id, TAG_REGISTERED, added["registered_model"])
         info = json.loads(info_path.read_text())
         info.update(added)
         info_path.write_text(json.dumps(info, indent=2) + "\n")
-        client.log_artifact(run_id, str(info_path), f"exports/{tag}")
+        tracking.log_run_artifact(run_id, str(info_path), f"exports/{tag}")
         log.info("recorded the export in MLflow run %s (%s)", run_id, uri)
     return added

@@ -6,8 +6,9 @@ split by concern:
 
 * :mod:`~bertpipe.tracking.client`: :class:`TrackingConfig`, the store's absolute URI and
   experiment (:func:`connect`), a config as params (:func:`config_params`), the lineage tags
-  (:data:`TAG_STAGE`, :data:`TAG_PARENT`, :data:`TAG_DATA_CHECKSUM`) and the short HTTP
-  timeout of mid-run calls (:data:`~bertpipe.tracking.client.HTTP_TIMEOUT`).
+  (:data:`TAG_STAGE`, :data:`TAG_PARENT`, :data:`TAG_DATA_CHECKSUM`), the short HTTP
+  timeout of mid-run calls (:data:`~bertpipe.tracking.client.HTTP_TIMEOUT`), and a run that
+  has ended, by its id (:func:`connect_to_run`, :func:`set_run_tag`, :func:`log_run_artifact`).
 * :mod:`~bertpipe.tracking.lifecycle`: :func:`start_run` and the logging calls made inside it.
 * :mod:`~bertpipe.tracking.outbox`: the outage buffer. Tracking never stops a run: what
   MLflow could not take waits in ``<output>/mlflow-buffer.jsonl`` (:func:`buffer_path`) and is
@@ -19,6 +20,8 @@ split by concern:
   and logged models (:class:`DatasetRef`, :func:`log_inputs`, :func:`log_folder_model`).
 * :mod:`~bertpipe.tracking.registry`: :func:`log_hf_model` (a model as a logged model of its
   run, MLflow's ``transformers`` flavour, optionally registered) and :func:`hf_task`.
+* :mod:`~bertpipe.tracking.publish`: :func:`publish_model`, a stage's model output logged
+  or registered, kept as plain artifacts through the buffer while the store is down.
 
 The tunables (``RETRY_SECONDS``, ``BATCH_METRICS`` in :mod:`~bertpipe.tracking.outbox`;
 ``HTTP_RETRIES``, ``HTTP_TIMEOUT`` in :mod:`~bertpipe.tracking.client`) are read where they
@@ -40,7 +43,10 @@ from bertpipe.tracking.client import (
     TrackingConfig,
     config_params,
     connect,
+    connect_to_run,
+    log_run_artifact,
     runs_page_url,
+    set_run_tag,
 )
 from bertpipe.tracking.inputs import (
     DatasetRef,
@@ -61,6 +67,7 @@ from bertpipe.tracking.lifecycle import (
     start_run,
 )
 from bertpipe.tracking.outbox import BUFFER_NAME, buffer_path, replay_buffer
+from bertpipe.tracking.publish import TAG_REGISTERED, publish_model
 from bertpipe.tracking.registry import (
     LoggedModelRef,
     RegistryError,
@@ -76,6 +83,7 @@ __all__ = [
     "MAX_PARAM_KEY",
     "MAX_PARAM_VALUE",
     "STAGES",
+    "TAG_REGISTERED",
     "TAG_DATA_CHECKSUM",
     "TAG_PARENT",
     "TAG_STAGE",
@@ -87,6 +95,7 @@ __all__ = [
     "buffer_path",
     "config_params",
     "connect",
+    "connect_to_run",
     "export_model_id",
     "files_dataset",
     "find_model",
@@ -99,11 +108,14 @@ __all__ = [
     "log_inputs",
     "log_metrics",
     "log_params",
+    "log_run_artifact",
     "log_text",
     "pip_requirements",
+    "publish_model",
     "register_logged_model",
     "replay_buffer",
     "runs_page_url",
+    "set_run_tag",
     "set_tags",
     "start_run",
 ]

@@ -4,6 +4,10 @@ The tracking URI is always set explicitly: MLflow's own default depends on the w
 directory, and so does its default artifact location for a sqlite store, so a relative
 ``sqlite:///`` path is made absolute and new experiments get an explicit artifact folder
 beside the database. A config becomes MLflow params with :func:`config_params`.
+
+A run that has ended (the pre-training run an export is recorded in) is reached by its id:
+:func:`connect_to_run`, then :func:`set_run_tag` and :func:`log_run_artifact`, which call
+the store at once (no outbox: the caller decides what a failure means).
 """
 
 from __future__ import annotations
@@ -34,8 +38,11 @@ __all__ = [
     "TrackingConfig",
     "config_params",
     "connect",
+    "connect_to_run",
+    "log_run_artifact",
     "quick_http",
     "runs_page_url",
+    "set_run_tag",
 ]
 
 TAG_STAGE = "bertpipe.stage"
@@ -148,6 +155,31 @@ def connect(cfg: TrackingConfig) -> str:
             exp.experiment_id, TAG_EXPERIMENT_KIND, EXPERIMENT_KIND
         )
     return str(exp.experiment_id)
+
+
+def connect_to_run(uri: str, run_id: str) -> str:
+    """Point MLflow at the store ``uri`` and return the experiment id of its run ``run_id``.
+    Raises what MLflow raises for an unreachable store or an unknown run."""
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    experiment_id: str = mlflow.MlflowClient().get_run(run_id).info.experiment_id
+    return experiment_id
+
+
+def set_run_tag(run_id: str, key: str, value: str) -> None:
+    """Set tag ``key`` of run ``run_id`` (in the current store) to ``value``."""
+    import mlflow
+
+    mlflow.MlflowClient().set_tag(run_id, key, value)
+
+
+def log_run_artifact(run_id: str, local_path: str, artifact_path: str | None = None) -> None:
+    """Log the local file ``local_path`` as an artifact of run ``run_id`` (in the current
+    store), in its folder ``artifact_path``."""
+    import mlflow
+
+    mlflow.MlflowClient().log_artifact(run_id, local_path, artifact_path)
 
 
 def runs_page_url(server: str, uri: str, experiment: str) -> str:
