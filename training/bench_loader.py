@@ -265,7 +265,8 @@ def _bench_folder(args: argparse.Namespace) -> dict[str, Any]:
     (``s3://``, ``gs://`` ...) is then copied to a local temporary folder and measured there
     too, so the figures of object storage stand beside those of local disk."""
     from bertpipe import fsio
-    from bertpipe.training.data import PretrainingData, load_manifest
+    from bertpipe.training.data import PretrainingData
+    from bertpipe.training.manifest import load_manifest
 
     def loader(url: str) -> Any:
         return PretrainingData(

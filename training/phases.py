@@ -40,7 +40,7 @@ class PhaseData:
 
 def read_phase_data(phase: PhaseSpec, key: str, retry: Any = None) -> PhaseData:
     """The manifest of ``phase`` (``key``: where the phase is in the config, for errors)."""
-    from bertpipe.training.data import read_bytes
+    from bertpipe.training.manifest import read_bytes
 
     url = fsio.join(phase.data, "manifest.json")
     try:

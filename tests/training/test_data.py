@@ -18,12 +18,8 @@ from bertpipe import fsio
 from bertpipe.preprocessing.shard_format import InstanceBlock, write_tar
 from bertpipe.training.collate import BATCH_KEYS, collate_block, pack_batch, unpack_batch
 from bertpipe.training.config import DataConfig, EvalConfig, PhaseSpec
-from bertpipe.training.data import (
-    DataError,
-    PretrainingData,
-    build_pretraining_data,
-    partition_blocks,
-)
+from bertpipe.training.data import PretrainingData, build_pretraining_data, partition_blocks
+from bertpipe.training.manifest import DataError
 
 SPECIALS = {"pad": 5, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 VOCAB = 1000

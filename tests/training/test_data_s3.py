@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bertpipe import fsio
-from bertpipe.training import data as data_module
+from bertpipe.training import shards as data_module
 from bertpipe.training.data import PretrainingData
 from tests.training.test_data import assert_same, ids_of, take, write_phase
 from tests.training.test_data_integrity import add_checksums

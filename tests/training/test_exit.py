@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from bertpipe.errors import TransientError
-from bertpipe.training.data import DataError, PretrainingData
+from bertpipe.training.data import PretrainingData
+from bertpipe.training.manifest import DataError
 from tests.training.test_data import UNEVEN, write_phase
 from tests.training.test_data_integrity import add_checksums
 from tests.training.test_pretrain import _env

@@ -1,0 +1,193 @@
+"""A phase folder's ``manifest.json``, read and validated for the loader.
+
+A phase folder (``manifest.json`` + WebDataset tar shards, see docs/data-format.md) is
+described by its manifest alone: the loader plans every epoch from it
+(:mod:`bertpipe.training.data`). :func:`load_manifest` checks the format and schema version,
+that every shard's sample count fits its instance count, the masking mode, and that every
+listed shard exists (one listing of the folder). A manifest that fails is a
+:class:`DataError` naming its URL (exit status 2). Transient read errors (``OSError``,
+timeouts) are retried with ``data.read_retries`` / ``data.read_retry_delay``; a missing
+manifest is not transient (a wrong path).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bertpipe import fsio
+from bertpipe.errors import BertpipeError
+from bertpipe.fsio import RetryPolicy
+from bertpipe.preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION
+
+__all__ = [
+    "DataError",
+    "Manifest",
+    "ShardInfo",
+    "load_manifest",
+    "read_bytes",
+    "validate_manifest",
+]
+
+MANIFEST_NAME = "manifest.json"
+
+
+class DataError(BertpipeError):
+    """A manifest or shard that cannot be used; the message names the URL."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One tar shard of a split, as the manifest describes it."""
+
+    file: str
+    url: str
+    instances: int
+    samples: int
+    sha256: str | None = None
+    """The shard's checksum as the manifest lists it (None in manifests without one)."""
+    bytes: int | None = None
+    """The shard's size as the manifest lists it (None in manifests without one)."""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parts of ``manifest.json`` the loader needs (validated by :func:`load_manifest`)."""
+
+    url: str
+    max_seq_length: int
+    max_predictions_per_seq: int
+    masking: str
+    """``static`` (masks in the shards) or ``none`` (the loader masks: dynamic masking)."""
+    vocab_size: int
+    special_token_ids: dict[str, int]
+    instances_per_sample: int
+    splits: dict[str, tuple[ShardInfo, ...]]
+    masking_config: dict[str, Any] = field(default_factory=dict)
+    """The ``config.masking`` section the shards were written with (may be empty)."""
+
+    def block_sizes(self, split: str) -> list[np.ndarray]:
+        """Instances of every block (sample) of every shard of ``split``: [samples] each."""
+        ips = self.instances_per_sample
+        out = []
+        for shard in self.splits[split]:
+            sizes = np.full(shard.samples, ips, dtype=np.int64)
+            if shard.samples:
+                sizes[-1] = shard.instances - ips * (shard.samples - 1)
+            out.append(sizes)
+        return out
+
+
+def _read_bytes(url: str) -> bytes:
+    with fsio.open_url(url, "rb") as f:
+        return bytes(f.read())
+
+
+def read_bytes(url: str, retry: RetryPolicy | None = None) -> bytes:
+    """The bytes of ``url`` (a manifest), transient errors retried with ``retry``'s backoff; a
+    missing file raises ``FileNotFoundError`` at once (a wrong path is not transient)."""
+    what = f"reading {url}"
+    return fsio.retried(lambda: _read_bytes(url), what, retry, _transient_unless_missing)
+
+
+def _transient_unless_missing(exc: BaseException) -> bool:
+    """Transient, except a file that is not there (a wrong path, not a storage hiccup)."""
+    return not isinstance(exc, FileNotFoundError) and fsio.is_transient(exc)
+
+
+def load_manifest(folder: str, retry: RetryPolicy | None = None) -> Manifest:
+    """Read and validate ``<folder>/manifest.json``; checks that every listed shard exists.
+
+    Transient read errors are retried with ``retry``'s backoff (a missing manifest is not)."""
+    url = fsio.join(folder, MANIFEST_NAME)
+    try:
+        raw = _decode(url, read_bytes(url, retry))
+    except FileNotFoundError:
+        raise DataError(
+            f"no manifest at {url}: point the phase's data at a folder written by "
+            "`bertpipe preprocess` (it writes manifest.json last)"
+        ) from None
+    return validate_manifest(folder, raw, retry)
+
+
+def _decode(url: str, raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise DataError(f"{url} is not valid JSON ({exc}): rerun `bertpipe preprocess`") from None
+
+
+def validate_manifest(folder: str, raw: Any, retry: RetryPolicy | None = None) -> Manifest:
+    """The loader's :class:`Manifest` of ``raw`` (``<folder>/manifest.json`` as decoded),
+    validated; checks that every listed shard exists (listing ``folder``, transient errors
+    retried with ``retry``'s backoff). Anything wrong is a :class:`DataError`."""
+    url = fsio.join(folder, MANIFEST_NAME)
+
+    def fail(what: str) -> DataError:
+        return DataError(f"{url}: {what}; rerun `bertpipe preprocess` with this bertpipe version")
+
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        got = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        raise fail(f"format is {got!r}, expected {FORMAT_NAME!r}")
+    if raw.get("schema_version") != SCHEMA_VERSION:
+        raise fail(
+            f"schema_version {raw.get('schema_version')!r}, this loader reads {SCHEMA_VERSION}"
+        )
+    try:
+        ips = int(raw["instances_per_sample"])
+        splits: dict[str, tuple[ShardInfo, ...]] = {}
+        for name, split in raw["splits"].items():
+            shards = tuple(
+                ShardInfo(
+                    s["file"],
+                    fsio.join(folder, s["file"]),
+                    int(s["instances"]),
+                    int(s["samples"]),
+                    str(s["sha256"]) if s.get("sha256") else None,
+                    int(s["bytes"]) if s.get("bytes") is not None else None,
+                )
+                for s in split["shards"]
+            )
+            for s in shards:
+                if s.samples != -(-s.instances // ips):
+                    raise fail(
+                        f"shard {s.file} lists {s.instances} instances in {s.samples} samples"
+                    )
+            splits[name] = shards
+        manifest = Manifest(
+            url=url,
+            max_seq_length=int(raw["max_seq_length"]),
+            max_predictions_per_seq=int(raw["max_predictions_per_seq"]),
+            masking=str(raw["masking"]),
+            vocab_size=int(raw["vocab_size"]),
+            special_token_ids={k: int(v) for k, v in raw["special_token_ids"].items()},
+            instances_per_sample=ips,
+            splits=splits,
+            masking_config=dict(raw.get("config", {}).get("masking", {})),
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise fail(f"missing or malformed entry {exc}") from None
+    if manifest.masking not in ("static", "none"):
+        raise fail(f"masking {manifest.masking!r} is neither 'static' nor 'none'")
+    _check_shards_exist(folder, manifest, retry)
+    return manifest
+
+
+def _check_shards_exist(folder: str, manifest: Manifest, retry: RetryPolicy | None) -> None:
+    """One listing of ``folder``: a shard the manifest lists and the folder lacks is a
+    :class:`DataError`."""
+    fs, path = fsio.to_fs(folder)
+    listing = fsio.retried(
+        lambda: fs.ls(path, detail=False), f"listing {folder}", retry, _transient_unless_missing
+    )
+    present = {posixpath.basename(p.rstrip("/")) for p in listing}
+    splits = manifest.splits.values()
+    missing = [s.url for shards in splits for s in shards if s.file not in present]
+    if missing:
+        raise DataError(
+            f"{manifest.url} lists {missing[0]}, which does not exist: rerun `bertpipe preprocess`"
+        )
