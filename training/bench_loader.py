@@ -266,11 +266,11 @@ def _bench_folder(args: argparse.Namespace) -> dict[str, Any]:
     too, so the figures of object storage stand beside those of local disk."""
     from bertpipe import fsio
     from bertpipe.training.data import PretrainingData
-    from bertpipe.training.manifest import load_manifest
+    from bertpipe.training.manifest import Manifest, load_manifest
 
-    def loader(url: str) -> Any:
+    def loader(source: str | Manifest) -> Any:
         return PretrainingData(
-            url,
+            source,
             "train",
             BATCH_SIZE,
             num_workers=args.num_workers,
@@ -284,7 +284,7 @@ def _bench_folder(args: argparse.Namespace) -> dict[str, Any]:
     instances = sum(s.instances for s in shards)
     out: dict[str, Any] = {
         "data": args.data,
-        **_measure(loader(url), args),
+        **_measure(loader(manifest), args),
         "batch_size": BATCH_SIZE,
         "seq_len": manifest.max_seq_length,
         "num_workers": args.num_workers,

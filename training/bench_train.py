@@ -35,7 +35,10 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bertpipe.training.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
@@ -210,13 +213,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _loader(cfg: Any, rank: int = 0, world: int = 1) -> Iterator[Any]:
-    """The trainer's own training loader (``build_pretraining_data``)."""
+def _loader(
+    cfg: Any, rank: int = 0, world: int = 1, manifest: Manifest | None = None
+) -> Iterator[Any]:
+    """The trainer's own training loader (``build_pretraining_data``; ``manifest``: the first
+    phase's, if already read)."""
     from bertpipe.training.data import build_pretraining_data
 
-    return iter(
-        build_pretraining_data(cfg.phases[0], cfg.data, rank=rank, world_size=world, seed=cfg.seed)
+    loader = build_pretraining_data(
+        cfg.phases[0], cfg.data, rank=rank, world_size=world, seed=cfg.seed, manifest=manifest
     )
+    return iter(loader)
 
 
 def _figures(
@@ -340,11 +347,13 @@ def _run_hf(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, A
 
     from bertpipe.training.flops import peak_flops
     from bertpipe.training.hf import hf_config_dict
-    from bertpipe.training.phases import model_config, read_phase_data
+    from bertpipe.training.manifest import read_phase_data
+    from bertpipe.training.phases import model_config
     from bertpipe.training.step import BatchPrep
 
     device = torch.device(device_type)
-    model_cfg = model_config(cfg, [read_phase_data(cfg.phases[0], "phases[0]")])
+    phase_data = read_phase_data(cfg.phases[0], "phases[0]")
+    model_cfg = model_config(cfg, [phase_data])
     hf_cfg = BertConfig(**hf_config_dict(model_cfg), attn_implementation="sdpa")
     torch.manual_seed(cfg.seed)
     model = BertForPreTraining(hf_cfg).to(device).train()
@@ -352,7 +361,7 @@ def _run_hf(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, A
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
     autocast = cfg.precision == "bf16"
     prep = BatchPrep(model_cfg, device, unpad=False)
-    batches = _loader(cfg)
+    batches = _loader(cfg, manifest=phase_data.parsed)
     losses: list[torch.Tensor] = []
 
     def step(timer: _Timer) -> dict[str, float]:

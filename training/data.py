@@ -264,12 +264,17 @@ class PretrainingData:
     that would have come next. Evaluation (``train=False``): each ``iter(data)`` yields the
     same ``eval_batches`` batches (epoch 0, at most ``max_batches``), and the state is unused.
 
+    ``source`` is the phase folder's URL (its manifest is read and validated here) or its
+    manifest already read (:func:`~bertpipe.training.manifest.load_manifest`,
+    :attr:`PhaseData.parsed <bertpipe.training.manifest.PhaseData.parsed>`): then nothing
+    is read before the first batch.
+
     Batches are dicts of int64 tensors, see :mod:`bertpipe.training.collate`.
     """
 
     def __init__(
         self,
-        url: str,
+        source: str | Manifest,
         split: str = "train",
         micro_batch_size: int = 32,
         *,
@@ -293,7 +298,10 @@ class PretrainingData:
         if max_batches is not None and max_batches < 1:
             raise ValueError("max_batches must be at least 1 (None: the whole split)")
         retry = RetryPolicy(retries=read_retries, delay=read_retry_delay)
-        self.manifest = m = load_manifest(url, retry)
+        if isinstance(source, Manifest):
+            self.manifest = m = source
+        else:
+            self.manifest = m = load_manifest(source, retry)
         if split not in self.manifest.splits:
             raise DataError(
                 f"{self.manifest.url} has no split {split!r} (it has "
@@ -441,6 +449,7 @@ def build_pretraining_data(
     seed: int,
     evaluation: EvalConfig | None = None,
     masking: DynamicMasking | None = None,
+    manifest: Manifest | None = None,
 ) -> PretrainingData:
     """The endless training loader of ``phase`` for this rank; with ``evaluation``, its
     held-out loader instead: one pass of at most ``evaluation.max_batches``, read in the
@@ -450,10 +459,14 @@ def build_pretraining_data(
     train`` are configured. Evaluation reads its blocks unmixed (``shuffle_blocks`` 1): the
     batches it takes are a fixed subset whatever the training's shuffle. Batches are not
     pinned here: :class:`~bertpipe.training.step.BatchPrep` pins what it sends to a GPU
-    (after unpadding, which makes new tensors)."""
+    (after unpadding, which makes new tensors).
+
+    ``manifest``: ``phase.data``'s manifest if already read (the trainer's
+    :attr:`PhaseData.parsed <bertpipe.training.manifest.PhaseData.parsed>`): it is not read
+    again."""
     train = evaluation is None
     return PretrainingData(
-        phase.data,
+        phase.data if manifest is None else manifest,
         "train" if train else data.heldout_split,
         phase.micro_batch_size,
         rank=rank,

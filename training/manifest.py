@@ -1,17 +1,25 @@
-"""A phase folder's ``manifest.json``, read and validated for the loader.
+"""A phase folder's ``manifest.json``: read once per run, validated, and kept in two forms.
 
 A phase folder (``manifest.json`` + WebDataset tar shards, see docs/data-format.md) is
 described by its manifest alone: the loader plans every epoch from it
-(:mod:`bertpipe.training.data`). :func:`load_manifest` checks the format and schema version,
-that every shard's sample count fits its instance count, the masking mode, and that every
-listed shard exists (one listing of the folder). A manifest that fails is a
-:class:`DataError` naming its URL (exit status 2). Transient read errors (``OSError``,
-timeouts) are retried with ``data.read_retries`` / ``data.read_retry_delay``; a missing
-manifest is not transient (a wrong path).
+(:mod:`bertpipe.training.data`) and the trainer identifies the data by the checksum of its
+bytes. :func:`read_phase_data` reads those bytes once, on every rank before the process group
+does any work, and keeps the raw dict (tokenizer checksum, stats, config: what tracking and
+the model config read), the bytes' sha256, and the validated :class:`Manifest` the loader
+needs, parsed from the same bytes: a loader built from it (``PretrainingData(manifest)``,
+``build_pretraining_data(..., manifest=...)``) reads nothing again. :func:`load_manifest`
+reads and validates a folder's manifest for callers that have no phase (benches, the plan).
+
+Validation checks the format and schema version, that every shard's sample count fits its
+instance count, the masking mode, and that every listed shard exists (one listing of the
+folder). A manifest that fails is a :class:`DataError` naming its URL (exit status 2).
+Transient read errors (``OSError``, timeouts) are retried with ``data.read_retries`` /
+``data.read_retry_delay``; a missing manifest is not transient (a wrong path).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import posixpath
 from dataclasses import dataclass, field
@@ -20,16 +28,21 @@ from typing import Any
 import numpy as np
 
 from bertpipe import fsio
+from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
 from bertpipe.fsio import RetryPolicy
 from bertpipe.preprocessing.shard_format import FORMAT_NAME, SCHEMA_VERSION
+from bertpipe.training.config import PhaseSpec
 
 __all__ = [
     "DataError",
+    "DataMismatchError",
     "Manifest",
+    "PhaseData",
     "ShardInfo",
     "load_manifest",
     "read_bytes",
+    "read_phase_data",
     "validate_manifest",
 ]
 
@@ -38,6 +51,10 @@ MANIFEST_NAME = "manifest.json"
 
 class DataError(BertpipeError):
     """A manifest or shard that cannot be used; the message names the URL."""
+
+
+class DataMismatchError(BertpipeError):
+    """The phases' data do not fit together or the model."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +99,25 @@ class Manifest:
         return out
 
 
+@dataclass
+class PhaseData:
+    """A phase's manifest, read once (:func:`read_phase_data`)."""
+
+    url: str
+    """The phase's data folder (``phase.data``)."""
+    manifest: dict[str, Any]
+    """``manifest.json`` as written: tokenizer checksum, stats, the preprocessing config."""
+    sha256: str
+    """The checksum of the manifest's bytes, which identifies the data (tags, resume)."""
+    parsed: Manifest
+    """The same bytes validated for the loader: pass it on as
+    ``build_pretraining_data(..., manifest=d.parsed)`` and the loader reads nothing again."""
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.parsed.max_seq_length
+
+
 def _read_bytes(url: str) -> bytes:
     with fsio.open_url(url, "rb") as f:
         return bytes(f.read())
@@ -97,6 +133,25 @@ def read_bytes(url: str, retry: RetryPolicy | None = None) -> bytes:
 def _transient_unless_missing(exc: BaseException) -> bool:
     """Transient, except a file that is not there (a wrong path, not a storage hiccup)."""
     return not isinstance(exc, FileNotFoundError) and fsio.is_transient(exc)
+
+
+def read_phase_data(phase: PhaseSpec, key: str, retry: RetryPolicy | None = None) -> PhaseData:
+    """The manifest of ``phase``, read once and validated (``key``: where the phase is in the
+    config, for errors). A missing manifest is a :class:`~bertpipe.config.ConfigError` of
+    ``<key>.data``, one of another format a :class:`DataMismatchError`, an invalid one a
+    :class:`DataError`; transient read errors are retried (``data.read_retries``)."""
+    url = fsio.join(phase.data, MANIFEST_NAME)
+    try:
+        raw = read_bytes(url, retry)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{key}.data", f"{url} does not exist: run `bertpipe preprocess` for this phase first"
+        ) from None
+    manifest = _decode(url, raw)
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise DataMismatchError(f"{url} is not a bertpipe shard manifest")
+    parsed = validate_manifest(phase.data, manifest, retry)
+    return PhaseData(phase.data, manifest, hashlib.sha256(raw).hexdigest(), parsed)
 
 
 def load_manifest(folder: str, retry: RetryPolicy | None = None) -> Manifest:

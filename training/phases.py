@@ -1,58 +1,22 @@
-"""What a pre-training run is built from: each phase's data manifest and the model config.
+"""The model config a pre-training run is built from: a preset or checkpoint, fitted to the data.
 
-Read on every rank before the process group does any work, so that data that does not fit
-together or the model fails with one line naming the phase.
+Checked on every rank before the process group does any work, so that phases whose data do
+not fit together or the model fail with one line naming the phase. The phases' manifests
+are read by :func:`bertpipe.training.manifest.read_phase_data` (imported here under its own
+name only for training/trainer.py, which still imports it from this module).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-from dataclasses import dataclass
-from typing import Any
 
-from bertpipe import fsio
 from bertpipe.config import ConfigError
-from bertpipe.errors import BertpipeError
-from bertpipe.training.config import PhaseSpec, PretrainConfig
+from bertpipe.training.config import PretrainConfig
+from bertpipe.training.manifest import DataMismatchError, PhaseData
+from bertpipe.training.manifest import read_phase_data as read_phase_data
 from bertpipe.training.model import BertModelConfig
 
-__all__ = ["DataMismatchError", "PhaseData", "model_config", "read_phase_data"]
-
-
-class DataMismatchError(BertpipeError):
-    """The phases' data do not fit together or the model."""
-
-
-@dataclass
-class PhaseData:
-    """What a phase's manifest says."""
-
-    url: str
-    manifest: dict[str, Any]
-    sha256: str
-
-    @property
-    def max_seq_length(self) -> int:
-        return int(self.manifest["max_seq_length"])
-
-
-def read_phase_data(phase: PhaseSpec, key: str, retry: Any = None) -> PhaseData:
-    """The manifest of ``phase`` (``key``: where the phase is in the config, for errors)."""
-    from bertpipe.training.manifest import read_bytes
-
-    url = fsio.join(phase.data, "manifest.json")
-    try:
-        raw = read_bytes(url, retry)  # transient storage errors retried (data.read_retries)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{key}.data", f"{url} does not exist: run `bertpipe preprocess` for this phase first"
-        ) from None
-    manifest = json.loads(raw)
-    if manifest.get("format") != "bertpipe.instances":
-        raise DataMismatchError(f"{url} is not a bertpipe shard manifest")
-    return PhaseData(phase.data, manifest, hashlib.sha256(raw).hexdigest())
+__all__ = ["model_config"]
 
 
 def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> BertModelConfig:
