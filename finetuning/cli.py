@@ -36,7 +36,7 @@ def add_finetune_command(sub: argparse._SubParsersAction) -> None:
 
 def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.finetuning.config import FinetuneConfig
-    from bertpipe.finetuning.loop import run_finetuning
+    from bertpipe.finetuning.run import run_finetuning
     from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
     cfg = config_from_args(FinetuneConfig, args)

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from bertpipe.config import ConfigError
 from bertpipe.tracking import TrackingConfig
-from bertpipe.training.config import CheckpointConfig, DistributedConfig, ZeroConfig
+from bertpipe.training.config import (
+    CheckpointConfig,
+    DistributedConfig,
+    OptimizerConfig,
+    ZeroConfig,
+    check_engine_settings,
+)
 
 __all__ = ["FinetuneConfig", "SweepSpec", "TaskConfig"]
 
@@ -114,7 +121,7 @@ class FinetuneConfig:
     """Tokenizer folder; null: the one in ``init_from`` (exports carry theirs)."""
     task: TaskConfig = field(default_factory=TaskConfig)
     learning_rate: float = 3e-5
-    """Peak learning rate of AdamW (linear warmup, then linear decay to zero)."""
+    """Peak learning rate (linear warmup, then linear decay to zero)."""
     batch_size: int = 32
     """Sequences per optimizer step, all ranks together."""
     micro_batch_size: int | None = None
@@ -123,10 +130,14 @@ class FinetuneConfig:
     """Passes over the training file; every epoch is evaluated."""
     warmup: float = 0.1
     """Fraction of the optimizer steps spent warming up."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
-    max_grad_norm: float = 1.0
-    """Clip the global gradient norm (0 disables)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """The optimizer, the same section as pre-training's: AdamW (default) or LAMB, betas,
+    eps, weight decay, gradient clipping, fused kernels."""
+    weight_decay: float | None = None
+    """Alias of ``optimizer.weight_decay`` (the key of configs written before the optimizer
+    section); set, it is moved there. Null: ``optimizer.weight_decay`` (0.01)."""
+    max_grad_norm: float | None = None
+    """Alias of ``optimizer.max_grad_norm``, as ``weight_decay``. Null: that (1.0)."""
     max_bad_steps: int = 20
     """Stop (exit status 2) after this many consecutive optimizer steps with a non-finite loss
     or gradient; such a step is never applied and is counted in ``train/skipped_steps``."""
@@ -136,6 +147,11 @@ class FinetuneConfig:
     """Dropout before the task layer; null: the encoder's hidden dropout."""
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     """Training precision; fp16 uses a dynamic loss scale."""
+    mixed_precision: Literal["weights", "autocast"] = "weights"
+    """With bf16, as pre-training's: bf16 weights with fp32 master weights (``weights``), or
+    fp32 weights with bf16 matmuls under ``torch.autocast`` (``autocast``)."""
+    loss_scale_power: int = 16
+    """fp16: the initial dynamic loss scale is 2^this."""
     zero: ZeroConfig = field(default_factory=lambda: ZeroConfig(stage=0))
     seed: int = 42
     """Seeds the head's init, dropout and the data order: a run is reproducible."""
@@ -165,6 +181,15 @@ class FinetuneConfig:
         self.task.check_runnable()
 
     def __post_init__(self) -> None:
+        aliases = {k: getattr(self, k) for k in ("weight_decay", "max_grad_norm")}
+        if any(v is not None for v in aliases.values()):  # one place in the resolved config
+            given = {k: v for k, v in aliases.items() if v is not None}
+            try:
+                self.optimizer = dataclasses.replace(self.optimizer, **given)
+            except ConfigError as exc:
+                raise ConfigError(next(iter(given)), exc.message) from None
+            self.weight_decay = self.max_grad_norm = None
+        check_engine_settings(self.optimizer, self.zero, self.precision, self.mixed_precision)
         if self.learning_rate <= 0:
             raise ConfigError("learning_rate", "must be positive")
         if self.batch_size < 1 or self.epochs < 1 or self.eval_batch_size < 1:

@@ -30,6 +30,7 @@ from bertpipe.finetuning.tasks.base import (
     take,
 )
 from bertpipe.seeding import rng_for
+from bertpipe.training.step import to_device
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,8 @@ def _conll(cfg: TaskConfig, tokenizer: Tokenizer) -> TaskData:
 def model_inputs(
     batch: Features, device: torch.device, with_labels: bool
 ) -> dict[str, torch.Tensor]:
-    """The tensors the task head takes (bookkeeping arrays are left out), on ``device``."""
+    """The tensors the task head takes (bookkeeping arrays are left out), on ``device``: as
+    pre-training's batches, pinned and copied without blocking on a GPU."""
     out = {k: torch.from_numpy(np.asarray(batch[k], dtype=np.int64)) for k in MODEL_KEYS}
     if with_labels:
         for key in LABEL_KEYS:
@@ -175,7 +177,9 @@ def model_inputs(
                 value = np.asarray(batch[key])
                 dtype = np.float32 if value.dtype.kind == "f" else np.int64
                 out[key] = torch.from_numpy(value.astype(dtype))
-    return {k: v.to(device) for k, v in out.items()}
+    if device.type == "cuda":
+        out = {k: v.pin_memory() for k, v in out.items()}
+    return to_device(out, device)
 
 
 def batches(

@@ -10,13 +10,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from bertpipe.training.hf import load_into
 from bertpipe.training.model import BertModel, BertModelConfig, Dropout, init_weights
+
+if TYPE_CHECKING:
+    from bertpipe.finetuning.tasks.base import TaskSpec
 
 __all__ = [
     "BertForQuestionAnswering",
@@ -26,6 +29,7 @@ __all__ = [
     "QuestionAnsweringOutput",
     "SequenceClassifierOutput",
     "TokenClassifierOutput",
+    "build_head",
 ]
 
 IGNORE_INDEX = -100
@@ -185,3 +189,14 @@ class BertForTokenClassification(BertTaskModel):
             flat = logits.reshape(-1, self.num_labels).float()
             loss = F.cross_entropy(flat, labels.reshape(-1), ignore_index=IGNORE_INDEX)
         return TokenClassifierOutput(logits=logits, loss=loss)
+
+
+def build_head(spec: TaskSpec, config: BertModelConfig, dropout: float | None) -> BertTaskModel:
+    """The task model of ``spec``'s kind (freshly initialised): span QA, token labels, or
+    sequence classification/regression with ``spec.num_labels`` outputs; ``dropout`` before
+    the task layer (None: the encoder's hidden dropout)."""
+    if spec.kind == "span_qa":
+        return BertForQuestionAnswering(config)
+    if spec.kind == "token_labels":
+        return BertForTokenClassification(config, spec.num_labels, dropout)
+    return BertForSequenceClassification(config, spec.num_labels, dropout)

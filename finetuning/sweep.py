@@ -1,7 +1,7 @@
 """``bertpipe sweep``: a grid of fine-tuning runs, nested under one MLflow parent run.
 
 The default grid is the BERT paper's (learning rate 5e-5, 4e-5, 3e-5, 2e-5; batch 16, 32;
-epochs 2, 3, 4). Every trial is a full :func:`~bertpipe.finetuning.loop.run_finetuning` with its own
+epochs 2, 3, 4). Every trial is a full :func:`~bertpipe.finetuning.run.run_finetuning` with its own
 folder (``<sweep folder>/trial-NNN``) and a child run; the parent records the grid, every
 trial's main metric and, at the end, the best trial (``best_run_id`` tag, ``best/*`` metrics).
 
@@ -31,14 +31,10 @@ import torch.distributed as dist
 
 from bertpipe import fsio, tracking
 from bertpipe.finetuning.config import FinetuneConfig
-from bertpipe.finetuning.loop import (
-    TAG_REGISTERED,
-    FinetuneResult,
-    load_initialisation,
-    register_best,
-    run_finetuning,
-    run_folder,
-)
+from bertpipe.finetuning.initialisation import load_initialisation
+from bertpipe.finetuning.publish import TAG_REGISTERED, register_best
+from bertpipe.finetuning.run import FinetuneResult, run_finetuning
+from bertpipe.finetuning.run_folder import run_folder
 from bertpipe.training.engine import init_distributed
 
 log = logging.getLogger(__name__)

@@ -26,11 +26,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import numpy as np
 import pytest
 
+from tests.faultenv import install_from_environ
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# the fault-injection entry point of in-process runs: a test asks for a fault by setting a
+# BERTPIPE_FAULT_* variable (tests/faultenv.py); bertpipe itself reads none of them
+install_from_environ()
 # this Python's bin folder first, as `make` does, for this process and every child: DeepSpeed
 # builds its CPU op with the `ninja` on PATH, and two ninja versions (the environment's and a
 # system one) disagree on the build log, so each would rebuild the op (~25 s) after the other

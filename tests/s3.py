@@ -100,6 +100,31 @@ class S3Server:
             "AWS_EC2_METADATA_DISABLED": "true",
         }
 
+    def user_env(self, name: str, actions: list[str]) -> dict[str, str]:
+        """A new user allowed only ``actions`` (``s3:GetObject``...), and :meth:`env` with its
+        keys: what a job whose credentials lost a permission meets (403 AccessDenied)."""
+        import boto3
+
+        iam = boto3.client(
+            "iam",
+            endpoint_url=self.url,
+            region_name=REGION,
+            aws_access_key_id=self.key,
+            aws_secret_access_key=self.secret,
+        )
+        iam.create_user(UserName=name)
+        key = iam.create_access_key(UserName=name)["AccessKey"]
+        policy = {
+            "Version": "2012-10-17",
+            "Statement": [{"Effect": "Allow", "Action": actions, "Resource": "*"}],
+        }
+        iam.put_user_policy(UserName=name, PolicyName="only", PolicyDocument=json.dumps(policy))
+        return {
+            **self.env(),
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+        }
+
     def make_bucket(self, prefix: str = "bp") -> str:
         """A new, empty bucket; returns its ``s3://`` URL."""
         import boto3

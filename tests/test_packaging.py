@@ -52,7 +52,7 @@ def test_bertpipe_modules_import_beside_a_decoy_on_sys_path(tmp_path: Path) -> N
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
         "import bertpipe.training.trainer, bertpipe.preprocessing.pipeline, "
-        "bertpipe.finetuning.loop\n"
+        "bertpipe.finetuning.run\n"
         "assert 'training' not in sys.modules and 'preprocessing' not in sys.modules\n"
         "print(bertpipe.training.trainer.__name__)\n"
     )

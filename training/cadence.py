@@ -1,10 +1,11 @@
 """What happens after an optimizer step: log, evaluate, checkpoint, stop for preemption.
 
 Pre-training and fine-tuning decide it the same way, in :meth:`Cadence.after_step`, so that
-their loops read as "step, then do what is due". A SIGTERM (SLURM preemption, a Kubernetes
-pod being evicted, ``scancel``) only sets a flag (:class:`StopFlag`); the ranks agree on it
-at the next check (one all-reduce, so every few steps rather than every step) and then
-save a checkpoint and stop with :class:`PreemptedError`, exit status 143.
+their one loop (:mod:`bertpipe.training.loop`) reads as "step, then do what is due". A SIGTERM
+(SLURM preemption, a Kubernetes pod being evicted, ``scancel``) only sets a flag
+(:class:`StopFlag`); the ranks agree on it at the next check (one all-reduce, so every few
+steps rather than every step) and then save a checkpoint and stop with
+:class:`PreemptedError`, exit status 143.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class Cadence:
     eval_every: int = 0
     checkpoint_every: int = 0
     preemption_every: int = 10
+    save_at_end: bool = True
+    """Checkpoint the last step (a pre-training phase's end, which the next phase and exports
+    start from); false: a run that completes saves nothing at its end (fine-tuning: its
+    result is the best epoch's model)."""
 
     def after_step(
         self, step: int, *, ended: bool, streak: int, exhausted: bool, stop: StopFlag, device: Any
@@ -91,7 +96,7 @@ class Cadence:
         log = (self.log_every and step % self.log_every == 0) or ended or exhausted
         stopping = (log or step % self.preemption_every == 0) and stop.agreed(device)
         periodic = bool(self.checkpoint_every) and step % self.checkpoint_every == 0
-        save = stopping or ended or periodic
+        save = (stopping or ended or periodic) and (self.save_at_end or not ended)
         deferred = save and bool(streak) and not (stopping or ended)
         return Due(
             log=bool(log),

@@ -39,12 +39,11 @@ import torch.distributed as dist
 from bertpipe import fsio
 from bertpipe.errors import BertpipeError
 from bertpipe.training import ckpt_store
-from bertpipe.training.faults import FAULT_IN_SAVE, NO_FAULTS, Faults
+from bertpipe.training.faults import NO_FAULTS, Faults
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "FAULT_IN_SAVE",
     "CheckpointState",
     "DataChangedError",
     "ResumeState",

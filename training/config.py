@@ -26,6 +26,7 @@ __all__ = [
     "PhaseSpec",
     "PretrainConfig",
     "ZeroConfig",
+    "check_engine_settings",
 ]
 
 PRESET_NAMES = ("tiny", "mini", "small", "medium", "base", "large")
@@ -151,7 +152,8 @@ class PhaseSpec:
 
 @dataclass
 class OptimizerConfig:
-    """The optimizer (shared by all phases; each phase has its own peak learning rate)."""
+    """The optimizer, the same section in pre-training (shared by all phases; each phase has
+    its own peak learning rate) and fine-tuning (its peak is ``learning_rate``)."""
 
     name: Literal["adamw", "lamb"] = "adamw"
     """``adamw``: AdamW as ``fused`` says, DeepSpeed's CPU Adam with optimizer offload.
@@ -331,6 +333,30 @@ class CheckpointConfig:
             raise ConfigError("local_dir", f"{self.local_dir} must be a local folder")
 
 
+def check_engine_settings(
+    optimizer: OptimizerConfig, zero: ZeroConfig, precision: str, mixed_precision: str
+) -> None:
+    """The combinations of optimizer, ZeRO and precision that no engine can run (both
+    stages' configs check them)."""
+    if optimizer.name == "lamb" and zero.stage > 2:
+        raise ConfigError(
+            "zero.stage",
+            "lamb runs at ZeRO stages 0-2 (whole-tensor trust ratios are reassembled from "
+            "the stage 1/2 partitions); stage 3 is not supported: use zero.stage=1 or 2",
+        )
+    if optimizer.name == "lamb" and zero.offload_optimizer != "none":
+        raise ConfigError(
+            "zero.offload_optimizer",
+            "an offloaded optimizer is DeepSpeed's CPU Adam, not LAMB: use "
+            "offload_optimizer=none with lamb, or optimizer.name=adamw",
+        )
+    if mixed_precision == "autocast" and precision != "bf16":
+        raise ConfigError(
+            "mixed_precision",
+            f"autocast needs precision=bf16 (got {precision}); use mixed_precision=weights",
+        )
+
+
 @dataclass
 class PretrainConfig:
     """``bertpipe pretrain``: BERT pre-training with DeepSpeed, one or two phases."""
@@ -402,28 +428,11 @@ class PretrainConfig:
                         )
         if self.only_phase is not None and self.only_phase not in names:
             raise ConfigError("only_phase", f"must be one of {names}")
-        if self.optimizer.name == "lamb" and self.zero.stage > 2:
-            raise ConfigError(
-                "zero.stage",
-                "lamb runs at ZeRO stages 0-2 (whole-tensor trust ratios are reassembled from "
-                "the stage 1/2 partitions); stage 3 is not supported: use zero.stage=1 or 2",
-            )
-        if self.optimizer.name == "lamb" and self.zero.offload_optimizer != "none":
-            raise ConfigError(
-                "zero.offload_optimizer",
-                "an offloaded optimizer is DeepSpeed's CPU Adam, not LAMB: use "
-                "offload_optimizer=none with lamb, or optimizer.name=adamw",
-            )
+        check_engine_settings(self.optimizer, self.zero, self.precision, self.mixed_precision)
         if self.log_every_steps < 1:
             raise ConfigError("log_every_steps", "must be at least 1")
         if self.max_bad_steps < 1:
             raise ConfigError("max_bad_steps", "must be at least 1")
-        if self.mixed_precision == "autocast" and self.precision != "bf16":
-            raise ConfigError(
-                "mixed_precision",
-                f"autocast needs precision=bf16 (got {self.precision}); use "
-                "mixed_precision=weights",
-            )
 
     @property
     def checkpoint_dir(self) -> str:

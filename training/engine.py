@@ -1,10 +1,12 @@
 """DeepSpeed: distributed set-up, the generated ds_config, and the one engine builder.
 
 Pre-training (one engine per phase) and fine-tuning (one per run) describe their engine as an
-:class:`EngineSpec` and build it with :func:`build_engine`, the only ``deepspeed.initialize``
-in bertpipe. The DeepSpeed JSON is a function of the spec (:func:`deepspeed_config`), logged
-with every run; there are no hand-kept JSON files. The learning rate follows a ``LambdaLR``
-schedule that DeepSpeed steps once per optimizer step and saves in its checkpoints.
+:class:`EngineSpec`, made from the same config sections by :func:`engine_spec`, and build it
+with :func:`build_engine`, the only ``deepspeed.initialize`` in bertpipe. The DeepSpeed JSON
+is a function of the spec (:func:`deepspeed_config`), logged with every run; there are no
+hand-kept JSON files. The learning rate follows a ``LambdaLR`` schedule that DeepSpeed steps
+once per optimizer step and saves in its checkpoints; it is set in one place,
+:func:`bertpipe.training.optim.schedule_learning_rate`, at build and at resume.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,8 +26,21 @@ from torch import nn
 
 from bertpipe.errors import BertpipeError
 from bertpipe.launch import detect_launch
-from bertpipe.training.config import OptimizerConfig, PhaseSpec, PretrainConfig, ZeroConfig
-from bertpipe.training.optim import Lamb, attach_zero_partitions, build_optimizer, lr_lambda
+from bertpipe.training.config import (
+    CheckpointConfig,
+    OptimizerConfig,
+    PhaseSpec,
+    PretrainConfig,
+    ZeroConfig,
+)
+from bertpipe.training.optim import (
+    Lamb,
+    apply_settings,
+    attach_zero_partitions,
+    build_optimizer,
+    lr_lambda,
+    schedule_learning_rate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +51,12 @@ class UnsafeCheckpointError(BertpipeError):
 
 __all__ = [
     "DistInfo",
+    "EngineSettings",
     "EngineSpec",
     "build_engine",
     "deepspeed_config",
     "ds_config",
+    "engine_spec",
     "init_distributed",
 ]
 
@@ -159,11 +176,29 @@ def deepspeed_config(
     return config
 
 
+class EngineSettings(Protocol):
+    """The config sections an engine is built from, the same in both stages' configs
+    (``PretrainConfig``, ``FinetuneConfig``)."""
+
+    @property
+    def optimizer(self) -> OptimizerConfig: ...
+    @property
+    def zero(self) -> ZeroConfig: ...
+    @property
+    def precision(self) -> str: ...
+    @property
+    def mixed_precision(self) -> str: ...
+    @property
+    def loss_scale_power(self) -> int: ...
+    @property
+    def checkpoint(self) -> CheckpointConfig: ...
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything an engine is built from: the batch, ZeRO and precision (the DeepSpeed
-    config), the optimizer and its learning-rate schedule. Pre-training makes one per phase
-    (:meth:`for_phase`), fine-tuning one per run."""
+    config), the optimizer and its learning-rate schedule. Made by :func:`engine_spec`:
+    pre-training one per phase (:meth:`for_phase`), fine-tuning one per run."""
 
     micro_batch_size: int
     global_batch_size: int
@@ -183,18 +218,13 @@ class EngineSpec:
     def for_phase(cls, cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> EngineSpec:
         """The engine of a pre-training phase on ``world_size`` processes."""
         phase.accumulation(world_size)  # a clear config error for an indivisible batch
-        return cls(
+        return engine_spec(
+            cfg,
             micro_batch_size=phase.micro_batch_size,
             global_batch_size=phase.global_batch_size,
             world_size=world_size,
-            zero=cfg.zero,
-            precision=cfg.precision,
-            optimizer=cfg.optimizer,
             learning_rate=phase.learning_rate,
             schedule=lr_lambda(phase, cfg),
-            mixed_precision=cfg.mixed_precision,
-            loss_scale_power=cfg.loss_scale_power,
-            universal=cfg.checkpoint.universal,
         )
 
     @property
@@ -215,48 +245,57 @@ class EngineSpec:
         )
 
     def apply_to(self, engine: Any) -> None:
-        """Write this spec's optimizer hyperparameters and schedule into ``engine`` over the
-        ones a checkpoint restored (:func:`bertpipe.training.resume.apply_optimizer_settings`)."""
-        from bertpipe.training.resume import apply_optimizer_settings
-
-        opt = self.optimizer
-        apply_optimizer_settings(
-            engine,
-            peak_lr=self.learning_rate,
-            schedule=self.schedule,
-            weight_decay=opt.weight_decay,
-            betas=opt.betas,
-            eps=opt.eps,
-            extra={"max_trust_ratio": opt.max_trust_ratio, "trust_all": opt.trust_ratio == "all"},
+        """Write this spec's optimizer hyperparameters, peak rate and schedule into ``engine``
+        over the ones a checkpoint restored (:func:`bertpipe.training.optim.apply_settings`)."""
+        engine.lr_scheduler = apply_settings(
+            engine.lr_scheduler, self.optimizer, self.learning_rate, self.schedule
         )
 
 
-def build_engine(
-    model: nn.Module,
-    spec: EngineSpec | PretrainConfig,
-    phase: PhaseSpec | None = None,
-    world_size: int | None = None,
-) -> tuple[Any, dict[str, Any]]:
+def engine_spec(
+    settings: EngineSettings,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    world_size: int,
+    learning_rate: float,
+    schedule: Callable[[int], float],
+) -> EngineSpec:
+    """A stage's engine: its config's engine sections (``settings``) with the batch and the
+    learning-rate schedule of the phase or run. The one way both stages make an
+    :class:`EngineSpec`."""
+    return EngineSpec(
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        world_size=world_size,
+        zero=settings.zero,
+        precision=settings.precision,
+        optimizer=settings.optimizer,
+        learning_rate=learning_rate,
+        schedule=schedule,
+        mixed_precision=settings.mixed_precision,
+        loss_scale_power=settings.loss_scale_power,
+        universal=settings.checkpoint.universal,
+    )
+
+
+def build_engine(model: nn.Module, spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
     """Wrap ``model`` in a DeepSpeed engine; returns (engine, ds_config).
 
     The one place where bertpipe calls ``deepspeed.initialize``: pre-training, fine-tuning,
     ``bertpipe bench train`` and the tests build their engines here, so each gets the same
-    optimizer set-up, LAMB's whole-tensor trust ratios under ZeRO and weights-only checkpoint
-    loading (the non-finite guard is the step's: :class:`bertpipe.training.step.OptimizerStep`).
-    ``build_engine(model, cfg, phase, world_size)`` is short for
-    ``build_engine(model, EngineSpec.for_phase(cfg, phase, world_size))``.
+    optimizer set-up, learning-rate schedule (:func:`~bertpipe.training.optim.
+    schedule_learning_rate`), LAMB's whole-tensor trust ratios under ZeRO and weights-only
+    checkpoint loading (the non-finite guard is the step's:
+    :class:`bertpipe.training.step.OptimizerStep`).
     """
     import deepspeed
 
-    if not isinstance(spec, EngineSpec):
-        if phase is None or world_size is None:
-            raise TypeError("build_engine(model, cfg, phase, world_size) needs phase and world")
-        spec = EngineSpec.for_phase(spec, phase, world_size)
     config = spec.ds_config()
     optimizer = build_optimizer(
         model, spec.optimizer, spec.learning_rate, offload=spec.zero.offload_optimizer == "cpu"
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, spec.schedule)
+    scheduler = schedule_learning_rate(optimizer, spec.learning_rate, spec.schedule)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
     )

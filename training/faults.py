@@ -1,30 +1,12 @@
 """Fault injection: the one seam through which tests make real runs fail.
 
-Pre-training and fine-tuning take a :class:`Faults` object and call its hooks at fixed points
-of a step and of a checkpoint save; the hooks do nothing unless a fault was asked for. Tests
-ask for faults either by passing a :class:`Faults` in (in-process runs) or through the
-environment (runs in a child process, where nothing can be passed in), read here and nowhere
-else:
-
-``BERTPIPE_FAULT_NAN_STEPS``
-    ``5,6``, ``3-4`` or ``8-`` (optimizer steps of the run counted from 1; ``8-`` is every
-    step from 8 on): those steps' loss is multiplied by NaN.
-``BERTPIPE_FAULT_RAISE_STEP``
-    ``6``: ``RuntimeError`` before step 6's first forward pass.
-``BERTPIPE_FAULT_SIGNAL``
-    ``TERM:5`` or ``KILL:13``: the process sends itself that signal before step 5 (13)
-    starts: a preemption (the run saves at its next SIGTERM check) or a crash at a known
-    point of a run.
-``BERTPIPE_FAULT_RANK``
-    ``1``: the three faults above on that rank only (default: every rank).
-``BERTPIPE_FAULT_IN_SAVE``
-    ``kill:TAG`` kills the process (SIGKILL) and ``enospc:TAG`` raises "No space left on
-    device" after DeepSpeed wrote checkpoint TAG's files and before bertpipe's state and
-    ``latest``: a crash or a full disk in the middle of a save. On object storage,
-    ``kill-upload:TAG`` (SIGKILL) and ``term-upload:TAG`` (SIGTERM) hit the process after
-    the first file of TAG's upload reached the store: a crash or a preemption mid-upload.
-
-Real runs never set these; a run that finds one logs a warning naming it.
+The training loop and the checkpoint saves call the hooks of a :class:`Faults` at fixed
+points of a step and of a save; the default breaks nothing. Nothing in bertpipe decides to
+inject a fault: a test passes a :class:`Faults` to ``run_pretraining`` / ``run_finetuning``,
+or installs a provider with :func:`install` at its own entry point (the test suite's
+``conftest.py`` for in-process runs, ``tests/faultinject/sitecustomize.py`` for the child
+processes tests start), which the runs ask for their rank's faults (:func:`for_rank`). A run
+that gets active faults logs a warning naming them.
 """
 
 from __future__ import annotations
@@ -34,28 +16,17 @@ import logging
 import math
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the hooks only multiply tensors: importing this module imports no torch
+    import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "FAULT_IN_SAVE",
-    "FAULT_NAN_STEPS",
-    "FAULT_RAISE_STEP",
-    "FAULT_RANK",
-    "FAULT_SIGNAL",
-    "NO_FAULTS",
-    "Faults",
-]
-
-FAULT_NAN_STEPS = "BERTPIPE_FAULT_NAN_STEPS"
-FAULT_RAISE_STEP = "BERTPIPE_FAULT_RAISE_STEP"
-FAULT_RANK = "BERTPIPE_FAULT_RANK"
-FAULT_SIGNAL = "BERTPIPE_FAULT_SIGNAL"
-FAULT_IN_SAVE = "BERTPIPE_FAULT_IN_SAVE"
+__all__ = ["NO_FAULTS", "Faults", "for_rank", "install"]
 
 
 @dataclass(frozen=True)
@@ -74,45 +45,7 @@ class Faults:
     signal_step: tuple[int, int] | None = None
     """``(signal number, step)``: the process signals itself before that step."""
     source: dict[str, str] = field(default_factory=dict, compare=False)
-    """The environment variables these came from (for the log line)."""
-
-    @classmethod
-    def from_environ(cls, rank: int, environ: Mapping[str, str] = os.environ) -> Faults:
-        """The faults the environment asks of rank ``rank``."""
-        source = {k: v for k, v in environ.items() if k.startswith("BERTPIPE_FAULT_")}
-        kind, _, tag = environ.get(FAULT_IN_SAVE, "").partition(":")
-        kinds = ("kill", "enospc", "kill-upload", "term-upload")
-        in_save = (kind, tag) if kind in kinds and tag else None
-        only = environ.get(FAULT_RANK)
-        if only is not None and int(only) != rank:
-            faults = cls(in_save=in_save, source=source)
-        else:
-            nan_steps: set[int] = set()
-            nan_from = None
-            for item in filter(None, environ.get(FAULT_NAN_STEPS, "").replace(" ", "").split(",")):
-                if item.endswith("-"):
-                    nan_from = int(item[:-1])
-                elif "-" in item:
-                    first, last = (int(x) for x in item.split("-"))
-                    nan_steps.update(range(first, last + 1))
-                else:
-                    nan_steps.add(int(item))
-            raise_step = environ.get(FAULT_RAISE_STEP)
-            signal_step = None
-            if environ.get(FAULT_SIGNAL):
-                name, _, step = environ[FAULT_SIGNAL].partition(":")
-                signal_step = (int(getattr(signal, f"SIG{name.upper()}")), int(step))
-            faults = cls(
-                frozenset(nan_steps),
-                nan_from,
-                int(raise_step) if raise_step else None,
-                in_save,
-                signal_step,
-                source,
-            )
-        if faults.active:
-            log.warning("fault injection (tests only): %s", faults.source or faults)
-        return faults
+    """Where these came from (for the log line)."""
 
     @property
     def active(self) -> bool:
@@ -129,7 +62,7 @@ class Faults:
         if self.signal_step is not None and step == self.signal_step[1]:
             os.kill(os.getpid(), self.signal_step[0])
         if step == self.raise_step:
-            raise RuntimeError(f"fault injection: {FAULT_RAISE_STEP}={step}")
+            raise RuntimeError(f"fault injection: raise before step {step}")
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         """The loss of a micro-batch of optimizer step ``step``, as the step will see it."""
@@ -157,3 +90,20 @@ class Faults:
 
 
 NO_FAULTS = Faults()
+
+_provider: ContextVar[Callable[[int], Faults] | None] = ContextVar("bertpipe_faults", default=None)
+
+
+def install(provider: Callable[[int], Faults] | None) -> None:
+    """Make ``provider(rank)`` the faults of the runs started from now on in this context
+    (None: none again). For test entry points only."""
+    _provider.set(provider)
+
+
+def for_rank(rank: int) -> Faults:
+    """The faults a run on rank ``rank`` gets: the installed provider's, else none."""
+    provider = _provider.get()
+    faults = NO_FAULTS if provider is None else provider(rank)
+    if faults.active:
+        log.warning("fault injection (tests only): %s", faults.source or faults)
+    return faults

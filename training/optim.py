@@ -22,6 +22,9 @@
 - :func:`lr_lambda`: linear warmup to the peak, then linear (the paper) or polynomial
   (NVIDIA) decay to zero, as a multiplier for ``torch.optim.lr_scheduler.LambdaLR``. Steps are
   optimizer steps.
+- :func:`schedule_learning_rate`: the one place the learning rate is set, when an engine is
+  built and when a resume applies the config's (maybe changed) rate and curve
+  (:func:`apply_settings`), through torch's public API only.
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ from bertpipe.training.config import OptimizerConfig, PhaseSpec, PretrainConfig
 __all__ = [
     "Lamb",
     "ZeroPartition",
+    "apply_settings",
     "attach_zero_partitions",
     "build_optimizer",
     "client_optimizer",
     "lr_lambda",
     "param_groups",
     "reset_step_counters",
+    "schedule_learning_rate",
     "warmup_decay",
 ]
 
@@ -502,3 +507,51 @@ def warmup_decay(
         return math.pow(remaining, exponent)
 
     return multiplier
+
+
+def schedule_learning_rate(
+    optimizer: torch.optim.Optimizer,
+    peak: float,
+    schedule: Callable[[int], float],
+    updates: int = 0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule of ``optimizer`` from now on: update ``u`` (counted from 0,
+    ``updates`` already made) uses ``peak * schedule(u)``; the next one's rate is set at once.
+
+    The only place bertpipe sets a learning rate: when an engine is built (``updates`` 0) and
+    when a resume applies the config's rate and curve to a restored optimizer (``updates``:
+    the restored scheduler's count, see :func:`apply_settings`). It takes torch's public
+    resume path: each group's ``initial_lr`` is the peak and the new ``LambdaLR`` starts at
+    ``last_epoch = updates - 1``. DeepSpeed steps the schedule once per applied update (a
+    skipped step is not counted) and saves it in its checkpoints.
+    """
+    for group in optimizer.param_groups:
+        group["initial_lr"] = peak
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule, last_epoch=updates - 1)
+
+
+def apply_settings(
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    cfg: OptimizerConfig,
+    peak: float,
+    schedule: Callable[[int], float],
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Write ``cfg``'s hyperparameters over the ones a checkpoint restored into ``scheduler``'s
+    optimizer, and return its schedule with ``peak`` and ``schedule`` from the update it had
+    reached (:func:`schedule_learning_rate`): an unchanged config leaves every value as it
+    was, bit for bit; a changed one trains with the new values from the next update on.
+
+    The groups are :func:`param_groups`': the first is decayed, the second keeps weight decay
+    0. LAMB's own group keys (``max_trust_ratio``, ``trust_all``) are set where present."""
+    optimizer = scheduler.optimizer
+    extra = {"max_trust_ratio": cfg.max_trust_ratio, "trust_all": cfg.trust_ratio == "all"}
+    for i, group in enumerate(optimizer.param_groups):
+        group["weight_decay"] = cfg.weight_decay if i == 0 else 0.0
+        if "betas" in group:
+            group["betas"] = tuple(cfg.betas)
+        if "eps" in group:
+            group["eps"] = cfg.eps
+        for key, value in extra.items():
+            if key in group:
+                group[key] = value
+    return schedule_learning_rate(optimizer, peak, schedule, scheduler.last_epoch)

@@ -2,8 +2,7 @@
 
 Checked on every rank before the process group does any work, so that phases whose data do
 not fit together or the model fail with one line naming the phase. The phases' manifests
-are read by :func:`bertpipe.training.manifest.read_phase_data` (imported here under its own
-name only for training/trainer.py, which still imports it from this module).
+are read by :func:`bertpipe.training.manifest.read_phase_data`.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import dataclasses
 from bertpipe.config import ConfigError
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.manifest import DataMismatchError, PhaseData
-from bertpipe.training.manifest import read_phase_data as read_phase_data
 from bertpipe.training.model import BertModelConfig
 
 __all__ = ["model_config"]

@@ -44,7 +44,7 @@ from bertpipe.training.plan_world import (
 )
 
 if TYPE_CHECKING:  # the loader module imports webdataset: only when a manifest is read
-    from bertpipe.training.data import Manifest
+    from bertpipe.training.manifest import Manifest
 
 __all__ = ["ModelSummary", "PhasePlan", "Plan", "make_plan"]
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from bertpipe import fsio
 
 if TYPE_CHECKING:
-    from bertpipe.training.data import Manifest
+    from bertpipe.training.manifest import Manifest
 
 __all__ = ["DataPlan", "data_plan", "read_manifest"]
 
@@ -25,7 +25,7 @@ def read_manifest(data_url: str) -> Manifest | None:
     ``pretrain``), or None when the folder has no ``manifest.json``."""
     if not fsio.exists(fsio.join(data_url, "manifest.json")):
         return None
-    from bertpipe.training.data import load_manifest
+    from bertpipe.training.manifest import load_manifest
 
     return load_manifest(data_url)
 
@@ -73,7 +73,8 @@ def data_plan(
     """
     if manifest is None:
         return DataPlan(url=url, found=False)
-    from bertpipe.training.data import DataError, partition_blocks
+    from bertpipe.training.data import partition_blocks
+    from bertpipe.training.manifest import DataError
 
     if "train" not in manifest.splits:
         raise DataError(f"{manifest.url} has no 'train' split")

@@ -7,9 +7,9 @@ shape, the batch, the data order, the precision, the optimizer's kind) cannot ch
 resume is refused with one line naming the keys, unless ``checkpoint.allow_changes`` lists
 them. Everything else (peak learning rate and schedule, weight decay, betas, clipping,
 ``max_bad_steps``, cadences, paths, tracking) is taken from the new config:
-:func:`apply_optimizer_settings` writes the optimizer's hyperparameters and the learning-rate
-schedule over the ones DeepSpeed's ``load_checkpoint`` restored, so that the run trains with
-the new values from its next step on.
+:meth:`~bertpipe.training.engine.EngineSpec.apply_to` writes the optimizer's hyperparameters
+and the learning-rate schedule over the ones DeepSpeed's ``load_checkpoint`` restored, so
+that the run trains with the new values from its next step on.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from bertpipe.config import ConfigError
@@ -28,7 +28,6 @@ __all__ = [
     "FINETUNE_FIXED",
     "MODEL_SHAPE",
     "PRETRAIN_FIXED",
-    "apply_optimizer_settings",
     "changed_settings",
     "check_changes",
     "log_changes",
@@ -95,11 +94,14 @@ FINETUNE_FIXED = (
     "micro_batch_size",
     "seed",
     "precision",
+    "mixed_precision",
     "zero.stage",
     "zero.offload_optimizer",
+    "optimizer.name",
 )
 """Fine-tuning settings a resume cannot change: the encoder and tokenizer, the training data
-and how it becomes inputs, the batch, the data order (seed), precision and partitioning."""
+and how it becomes inputs, the batch, the data order (seed), precision, the optimizer's kind
+and partitioning."""
 
 # bookkeeping that differs between any two runs of the same job
 _IGNORED = ("checkpoint.resume", "overwrite")
@@ -224,41 +226,3 @@ def mlflow_tags(changes: Mapping[str, tuple[Any, Any]], step: int) -> dict[str, 
         text = f"{_shown(old)} -> {_shown(new)} (from step {step})"
         out[f"bertpipe.changed_at_resume.{name}"] = text[:5000]
     return out
-
-
-def apply_optimizer_settings(
-    engine: Any,
-    *,
-    peak_lr: float,
-    schedule: Callable[[int], float],
-    weight_decay: float,
-    betas: Sequence[float],
-    eps: float,
-    extra: Mapping[str, Any] | None = None,
-) -> None:
-    """Write the config's optimizer hyperparameters over the ones a checkpoint restored.
-
-    The param groups are those of :func:`bertpipe.training.optim.param_groups`: the first
-    is decayed, the second is not (it keeps weight decay 0). The LR schedule takes the new
-    peak and curve; the rate of the next update is set from the step the schedule has
-    reached, so an unchanged config leaves every value as it was, bit for bit. ``extra``:
-    other group keys to set where a group has them (LAMB's ``max_trust_ratio``...).
-    """
-    scheduler = engine.lr_scheduler
-    groups = scheduler.optimizer.param_groups
-    scheduler.base_lrs = [peak_lr for _ in groups]
-    scheduler.lr_lambdas = [schedule for _ in groups]
-    step = scheduler.last_epoch
-    for i, group in enumerate(groups):
-        group["lr"] = peak_lr * schedule(step)
-        if "initial_lr" in group:
-            group["initial_lr"] = peak_lr
-        group["weight_decay"] = weight_decay if i == 0 else 0.0
-        if "betas" in group:
-            group["betas"] = tuple(betas)
-        if "eps" in group:
-            group["eps"] = eps
-        for key, value in (extra or {}).items():
-            if key in group:
-                group[key] = value
-    scheduler._last_lr = [group["lr"] for group in groups]

@@ -192,7 +192,7 @@ def _finetune(out: Path, common: list[str], *, random_init: bool, seed: int = 1)
     (the same architecture): the comparison shows what pre-training is worth here."""
     from bertpipe.config import load_config
     from bertpipe.finetuning.config import FinetuneConfig
-    from bertpipe.finetuning.loop import run_finetuning
+    from bertpipe.finetuning.run import run_finetuning
 
     name = f"{'random' if random_init else 'pretrained'}-seed{seed}"
     cfg = load_config(

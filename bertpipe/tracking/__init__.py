@@ -20,6 +20,8 @@ split by concern:
   and logged models (:class:`DatasetRef`, :func:`log_inputs`, :func:`log_folder_model`).
 * :mod:`~bertpipe.tracking.registry`: :func:`log_hf_model` (a model as a logged model of its
   run, MLflow's ``transformers`` flavour, optionally registered) and :func:`hf_task`.
+* :mod:`~bertpipe.tracking.publish`: :func:`publish_model`, a stage's model output logged
+  or registered, kept as plain artifacts through the buffer while the store is down.
 
 The tunables (``RETRY_SECONDS``, ``BATCH_METRICS`` in :mod:`~bertpipe.tracking.outbox`;
 ``HTTP_RETRIES``, ``HTTP_TIMEOUT`` in :mod:`~bertpipe.tracking.client`) are read where they
@@ -65,6 +67,7 @@ from bertpipe.tracking.lifecycle import (
     start_run,
 )
 from bertpipe.tracking.outbox import BUFFER_NAME, buffer_path, replay_buffer
+from bertpipe.tracking.publish import TAG_REGISTERED, publish_model
 from bertpipe.tracking.registry import (
     LoggedModelRef,
     RegistryError,
@@ -82,6 +85,7 @@ __all__ = [
     "STAGES",
     "TAG_DATA_CHECKSUM",
     "TAG_PARENT",
+    "TAG_REGISTERED",
     "TAG_STAGE",
     "TAG_TOKENIZER",
     "DatasetRef",
@@ -107,6 +111,7 @@ __all__ = [
     "log_run_artifact",
     "log_text",
     "pip_requirements",
+    "publish_model",
     "register_logged_model",
     "replay_buffer",
     "runs_page_url",

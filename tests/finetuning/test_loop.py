@@ -10,7 +10,7 @@ import pytest
 
 from bertpipe.config import ConfigError, load_config
 from bertpipe.finetuning.config import FinetuneConfig
-from bertpipe.finetuning.loop import run_finetuning
+from bertpipe.finetuning.run import run_finetuning
 from tests.conftest import sqlite_uri
 
 pytestmark = pytest.mark.integration

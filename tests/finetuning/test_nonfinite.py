@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.finetuning.loop import load_task_model, run_finetuning
-from bertpipe.training.faults import FAULT_NAN_STEPS
+from bertpipe.finetuning.run import load_task_model, run_finetuning
 from bertpipe.training.guard import NonFiniteError
 from tests.conftest import sqlite_uri
+from tests.faultenv import FAULT_NAN_STEPS
 from tests.finetuning.test_loop import _cfg
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import torch
 
 from bertpipe.config import ConfigError, load_config
 from bertpipe.finetuning.config import FinetuneConfig
-from bertpipe.finetuning.loop import load_task_model, run_finetuning
+from bertpipe.finetuning.run import load_task_model, run_finetuning
 from bertpipe.finetuning.sweep import SweepResult
 from tests.conftest import sqlite_uri
 from tests.finetuning.test_loop import _cfg
@@ -160,7 +160,7 @@ def test_sweep_deletes_a_model_once_a_better_trial_is_known(
     """The order of deletions, with trials whose scores are set (0.5, then better 0.7, then
     worse 0.6): each losing model is gone right after the trial that decides it."""
     from bertpipe.finetuning import sweep
-    from bertpipe.finetuning.loop import FinetuneResult
+    from bertpipe.finetuning.run import FinetuneResult
 
     scores = iter([0.5, 0.7, 0.6])
     seen: list[list[str]] = []

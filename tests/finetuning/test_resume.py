@@ -20,10 +20,10 @@ import pytest
 
 from bertpipe.config import ConfigError, load_config
 from bertpipe.finetuning.config import FinetuneConfig
-from bertpipe.finetuning.loop import run_finetuning
+from bertpipe.finetuning.run import run_finetuning
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.faults import FAULT_SIGNAL
 from tests.conftest import sqlite_uri
+from tests.faultenv import FAULT_SIGNAL
 from tests.finetuning.test_loop import _glue_files
 from tests.training.test_pretrain import _env
 

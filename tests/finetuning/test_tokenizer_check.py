@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bertpipe.config import ConfigError
-from bertpipe.finetuning.loop import run_finetuning
+from bertpipe.finetuning.run import run_finetuning
 from tests.conftest import sqlite_uri
 from tests.finetuning.test_loop import _cfg
 

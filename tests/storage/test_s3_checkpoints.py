@@ -18,6 +18,7 @@ import pytest
 from bertpipe.config import to_yaml
 from bertpipe.training import checkpoint as ckpt
 from tests.conftest import sqlite_uri
+from tests.faultenv import FAULT_IN_SAVE
 from tests.training.test_pretrain import _env, _history
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -66,7 +67,7 @@ def _config(tmp: Path, shards: str, checkpoints: str, steps: int, **extra: objec
 def _run(cmd: list[str], s3, fault: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {**_env(), **s3.env}
     if fault:
-        env[ckpt.FAULT_IN_SAVE] = fault
+        env[FAULT_IN_SAVE] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from bertpipe.config import load_config
 from bertpipe.training.config import PretrainConfig
-from bertpipe.training.engine import build_engine, init_distributed
+from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
 from bertpipe.training.optim import client_optimizer, reset_step_counters, zero_partitions
 
 GLOBAL_BATCH = 8
@@ -61,7 +61,7 @@ def main() -> None:
     )
     torch.manual_seed(0)
     model = Net()
-    engine, _ = build_engine(model, cfg, cfg.phases[0], info.world_size)
+    engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[0], info.world_size))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
     data = torch.Generator().manual_seed(1)
     target = nn.Linear(13, 7)

@@ -17,6 +17,7 @@ import pytest
 from bertpipe.config import to_yaml
 from bertpipe.training import checkpoint as ckpt
 from tests.conftest import sqlite_uri
+from tests.faultenv import FAULT_IN_SAVE
 from tests.training.test_pretrain import _cfg, _env, _history
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -36,7 +37,7 @@ def _setup(shards: Path, out: Path) -> tuple[Path, str]:
 def _run(cmd: list[str], fault: str | None = None) -> subprocess.CompletedProcess[str]:
     env = _env()
     if fault:
-        env[ckpt.FAULT_IN_SAVE] = fault
+        env[FAULT_IN_SAVE] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.faults import FAULT_NAN_STEPS, FAULT_RAISE_STEP, FAULT_RANK
 from bertpipe.training.guard import guard_updates as _skip_nonfinite_updates
 from bertpipe.training.guard import poisoned as _poisoned
 from bertpipe.training.guard import weights_finite as _weights_finite
 from bertpipe.training.trainer import run_pretraining
 from tests.conftest import free_port, sqlite_uri
+from tests.faultenv import FAULT_NAN_STEPS, FAULT_RAISE_STEP, FAULT_RANK
 from tests.training.test_pretrain import _cfg, _env, _history, _overrides, _pretrain_cmd
 
 pytestmark = pytest.mark.integration
@@ -63,9 +63,10 @@ def test_nonfinite_step_leaves_weights_optimizer_and_lr_untouched(
     it (fp32 too: its gradient-norm check); at ZeRO 0 the trainer's guard does. Either way the
     weights, the optimizer state and the LR are those of before, and ``skipped_steps`` is 1."""
     from bertpipe.training.data import PretrainingData
-    from bertpipe.training.engine import build_engine, init_distributed
+    from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.manifest import read_phase_data
     from bertpipe.training.model import BertForPreTraining
-    from bertpipe.training.phases import model_config, read_phase_data
+    from bertpipe.training.phases import model_config
     from bertpipe.training.step import BatchPrep
 
     cfg = _cfg(pretrain_shards, tmp_path, f"sqlite:///{tmp_path / 'db'}", zero__stage=stage)
@@ -74,7 +75,7 @@ def test_nonfinite_step_leaves_weights_optimizer_and_lr_untouched(
     init_distributed()
     torch.manual_seed(0)
     model_cfg = model_config(cfg, [read_phase_data(phase, "phases[0]")])
-    engine, _ = build_engine(BertForPreTraining(model_cfg), cfg, phase, 1)
+    engine, _ = build_engine(BertForPreTraining(model_cfg), EngineSpec.for_phase(cfg, phase, 1))
     assert _skip_nonfinite_updates(engine) == (stage == 0)
     loader = PretrainingData(phase.data, "train", micro_batch_size=phase.micro_batch_size)
     batch, _ = BatchPrep(model_cfg, torch.device("cpu"), unpad=True)(next(iter(loader)))
@@ -191,7 +192,7 @@ def test_persistent_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("bertpipe: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "3 steps in a row had a non-finite loss" in errors[0]
+    assert "3 optimizer steps in a row had a non-finite loss" in errors[0]
     assert "max_bad_steps=3" in errors[0] and "global_step4" in errors[0]
     folder = tmp_path / "run" / "checkpoints"
     assert (folder / "latest").read_text() == "global_step4"  # steps 6-8 were never saved

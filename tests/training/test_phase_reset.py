@@ -214,14 +214,14 @@ def test_zero1_phase_two_restarts_bias_correction_on_phase_one_moments(
     checkpoint with its optimizer state (as the trainer does for ``optimizer_state: keep``),
     resets the counters through DeepSpeed's ZeRO optimizer, and its first update is step 1's
     on the kept moments of the flat fp32 partition."""
-    from bertpipe.training.engine import build_engine, init_distributed
+    from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
 
     init_distributed()
     cfg = _config(kind, stage=1)
     gen = torch.Generator().manual_seed(3)
     torch.manual_seed(0)
     first = Net()
-    engine1, _ = build_engine(first, cfg, cfg.phases[0], 1)
+    engine1, _ = build_engine(first, EngineSpec.for_phase(cfg, cfg.phases[0], 1))
     _train(engine1, 3, gen)
     engine1.save_checkpoint(str(tmp_path), tag="phase1")
     saved_moments = [
@@ -231,7 +231,7 @@ def test_zero1_phase_two_restarts_bias_correction_on_phase_one_moments(
 
     torch.manual_seed(1)  # other initial weights: the checkpoint's must replace them
     model = Net()
-    engine, _ = build_engine(model, cfg, cfg.phases[1], 1)
+    engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[1], 1))
     engine.load_checkpoint(
         str(tmp_path),
         tag="phase1",
@@ -290,12 +290,12 @@ def test_zero1_phase_two_restarts_bias_correction_on_phase_one_moments(
 def test_reset_reaches_lamb_inside_the_stage0_bf16_wrapper() -> None:
     """ZeRO 0 with bf16: DeepSpeed wraps the client LAMB in its unfused mixed-precision
     optimizer, which holds it in ``.optimizer``."""
-    from bertpipe.training.engine import build_engine, init_distributed
+    from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
 
     init_distributed()
     cfg = _config("lamb", stage=0, precision="bf16")
     model = Net()
-    engine, _ = build_engine(model, cfg, cfg.phases[0], 1)
+    engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[0], 1))
     _train(engine, 2, torch.Generator().manual_seed(0), torch.bfloat16)
     inner = client_optimizer(engine.optimizer)
     assert isinstance(inner, Lamb) and engine.optimizer is not inner

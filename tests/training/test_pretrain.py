@@ -17,6 +17,7 @@ from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.trainer import run_pretraining
 from tests.conftest import sqlite_uri
+from tests.faultenv import FAULT_IN_SAVE, child_pythonpath
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ def _env() -> dict[str, str]:
     drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.setdefault("DS_ACCELERATOR", "cpu")
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = child_pythonpath(REPO)  # with the fault-injection hook
     return env
 
 
@@ -187,7 +188,7 @@ def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path, s3
         proxy.inject("503", 1, "PUT", r"checkpoints/latest")
         stopped = subprocess.run(
             _pretrain_cmd(args),
-            env={**env, ckpt.FAULT_IN_SAVE: "term-upload:global_step4"},
+            env={**env, FAULT_IN_SAVE: "term-upload:global_step4"},
             capture_output=True,
             text=True,
         )

@@ -156,7 +156,7 @@ def test_export_and_finetune_log_and_register_models_that_load_without_bertpipe(
 
     from bertpipe import tracking
     from bertpipe.finetuning.config import FinetuneConfig
-    from bertpipe.finetuning.loop import load_task_model, run_finetuning
+    from bertpipe.finetuning.run import load_task_model, run_finetuning
     from bertpipe.training import checkpoint as ckpt
     from bertpipe.training.export import load_checkpoint_model
 

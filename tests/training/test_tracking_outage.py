@@ -86,7 +86,7 @@ def test_finetuning_with_the_server_down_completes_and_replays_later(
 ) -> None:
     import mlflow
 
-    from bertpipe.finetuning import loop
+    from bertpipe.finetuning import run as loop
     from tests.finetuning.test_loop import _cfg as finetune_cfg
 
     real_train = loop.Finetuner._train

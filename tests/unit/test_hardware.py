@@ -98,10 +98,10 @@ def test_plan_checks_a_cpu_run_against_this_cpu(monkeypatch, capsys):
 
 def test_finetune_refuses_fp16_before_the_process_group(monkeypatch, tmp_path):
     _simulate_cpu_without_fp16(monkeypatch)
-    monkeypatch.setattr("bertpipe.finetuning.loop.init_distributed", _not_reached)
+    monkeypatch.setattr("bertpipe.finetuning.run.init_distributed", _not_reached)
     from bertpipe.config import load_config
     from bertpipe.finetuning.config import FinetuneConfig
-    from bertpipe.finetuning.loop import run_finetuning
+    from bertpipe.finetuning.run import run_finetuning
 
     cfg = load_config(
         FinetuneConfig, None, [f"output={tmp_path / 'ft'}", "precision=fp16", "init_from=null"]

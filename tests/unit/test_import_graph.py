@@ -240,7 +240,7 @@ def test_the_graph_covers_core_stages_and_app() -> None:
         "bertpipe.app.cli",
         "bertpipe.app.compare.query",
         "bertpipe.training.trainer",
-        "bertpipe.finetuning.loop",
+        "bertpipe.finetuning.run",
         "bertpipe.preprocessing.pipeline",
     ):
         assert expected in names
@@ -256,8 +256,8 @@ def test_private_check_sees_cross_component_private_imports() -> None:
             return trainer._poisoned
         """
     )
-    loop = MODULES["bertpipe.finetuning.loop"]
-    found = list(private_uses(source, loop, MODULES))
+    run = MODULES["bertpipe.finetuning.run"]
+    found = list(private_uses(source, run, MODULES))
     assert len(found) == 2, found
     assert "imports _Faults from bertpipe.training.trainer" in found[0]
     assert "reads _poisoned of bertpipe.training.trainer" in found[1]

@@ -1,0 +1,91 @@
+"""Faults asked for through the environment, for runs the tests cannot pass a ``Faults`` to.
+
+The test suite's entry points install :func:`from_environ` as the fault provider of
+:mod:`bertpipe.training.faults`: ``tests/conftest.py`` in the pytest process (a test sets a
+variable with ``monkeypatch.setenv`` and runs in-process), ``tests/faultinject/
+sitecustomize.py`` in the child processes tests start with ``tests/faultinject`` on
+``PYTHONPATH`` (:func:`child_pythonpath`; every rank a launcher starts inherits it).
+bertpipe itself reads none of these variables:
+
+``BERTPIPE_FAULT_NAN_STEPS``
+    ``5,6``, ``3-4`` or ``8-`` (optimizer steps of the run counted from 1; ``8-`` is every
+    step from 8 on): those steps' loss is multiplied by NaN.
+``BERTPIPE_FAULT_RAISE_STEP``
+    ``6``: ``RuntimeError`` before step 6's first forward pass.
+``BERTPIPE_FAULT_SIGNAL``
+    ``TERM:5`` or ``KILL:13``: the process sends itself that signal before step 5 (13)
+    starts: a preemption (the run saves at its next SIGTERM check) or a crash at a known
+    point of a run.
+``BERTPIPE_FAULT_RANK``
+    ``1``: the three faults above on that rank only (default: every rank).
+``BERTPIPE_FAULT_IN_SAVE``
+    ``kill:TAG`` kills the process (SIGKILL) and ``enospc:TAG`` raises "No space left on
+    device" after DeepSpeed wrote checkpoint TAG's files and before bertpipe's state and
+    ``latest``: a crash or a full disk in the middle of a save. On object storage,
+    ``kill-upload:TAG`` (SIGKILL) and ``term-upload:TAG`` (SIGTERM) hit the process after
+    the first file of TAG's upload reached the store: a crash or a preemption mid-upload.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from pathlib import Path
+
+from bertpipe.training import faults
+
+FAULT_NAN_STEPS = "BERTPIPE_FAULT_NAN_STEPS"
+FAULT_RAISE_STEP = "BERTPIPE_FAULT_RAISE_STEP"
+FAULT_RANK = "BERTPIPE_FAULT_RANK"
+FAULT_SIGNAL = "BERTPIPE_FAULT_SIGNAL"
+FAULT_IN_SAVE = "BERTPIPE_FAULT_IN_SAVE"
+PREFIX = "BERTPIPE_FAULT_"
+
+_INJECT = Path(__file__).resolve().parent / "faultinject"
+
+
+def from_environ(rank: int, environ: Mapping[str, str] | None = None) -> faults.Faults:
+    """The faults the environment (default: ``os.environ`` now) asks of rank ``rank``."""
+    environ = os.environ if environ is None else environ
+    source = {k: v for k, v in environ.items() if k.startswith(PREFIX)}
+    kind, _, tag = environ.get(FAULT_IN_SAVE, "").partition(":")
+    kinds = ("kill", "enospc", "kill-upload", "term-upload")
+    in_save = (kind, tag) if kind in kinds and tag else None
+    only = environ.get(FAULT_RANK)
+    if only is not None and int(only) != rank:
+        return faults.Faults(in_save=in_save, source=source)
+    nan_steps: set[int] = set()
+    nan_from = None
+    for item in filter(None, environ.get(FAULT_NAN_STEPS, "").replace(" ", "").split(",")):
+        if item.endswith("-"):
+            nan_from = int(item[:-1])
+        elif "-" in item:
+            first, last = (int(x) for x in item.split("-"))
+            nan_steps.update(range(first, last + 1))
+        else:
+            nan_steps.add(int(item))
+    raise_step = environ.get(FAULT_RAISE_STEP)
+    signal_step = None
+    if environ.get(FAULT_SIGNAL):
+        name, _, step = environ[FAULT_SIGNAL].partition(":")
+        signal_step = (int(getattr(signal, f"SIG{name.upper()}")), int(step))
+    return faults.Faults(
+        frozenset(nan_steps),
+        nan_from,
+        int(raise_step) if raise_step else None,
+        in_save,
+        signal_step,
+        source,
+    )
+
+
+def install_from_environ() -> None:
+    """Make this process's runs take their faults from the environment."""
+    faults.install(from_environ)
+
+
+def child_pythonpath(*folders: str | Path) -> str:
+    """``PYTHONPATH`` for a child process that honours the fault variables: the injection
+    hook's folder, then ``folders``."""
+    return os.pathsep.join([str(_INJECT), *(str(f) for f in folders)])
