@@ -327,7 +327,7 @@ class PhaseStage:
         self.device = trainer.info.device
         self.window = Window(self.device)
         self.prep = BatchPrep(trainer.model_cfg, self.device, unpad=trainer.cfg.model.unpad)
-        self.progress = (
+        self.bar = (
             ProgressLine(phase.name, phase.max_steps, initial=start, unit="step")
             if trainer.info.is_main
             else None
@@ -353,8 +353,8 @@ class PhaseStage:
 
     def after_step(self, step: int, result: StepResult) -> None:
         self.window.record(result)
-        if self.progress is not None:  # host only: the bar, or a log line every minute
-            self.progress.update(step)
+        if self.bar is not None:  # host only: the bar, or a log line every minute
+            self.bar.update(step)
 
     def state(self, ended: bool) -> StageState:
         return StageState(self.name, self.index, ended)
@@ -364,12 +364,12 @@ class PhaseStage:
         for part in (self._batches, self._host):
             if part is not None:
                 part.close()
-        if self.progress is not None:
-            self.progress.close()
+        if self.bar is not None:
+            self.bar.close()
 
     def log(self, engine: Any, step: int) -> None:
         """Reduce the window over the ranks (every rank calls this) and log it on rank 0."""
-        trainer, progress = self.trainer, self.progress
+        trainer, bar = self.trainer, self.bar
         window, self.window = self.window, Window(self.device)
         metrics = window.reduce(trainer.world)
         metrics["lr"] = window.lr
@@ -395,8 +395,8 @@ class PhaseStage:
         global_step = trainer.progress.global_step
         if trainer.progress.run_id is not None:
             tracking.log_metrics({f"train/{k}": v for k, v in metrics.items()}, step=global_step)
-        if progress is not None and progress.tty:
-            progress.update(step, f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e}", force=True)
+        if bar is not None and bar.tty:
+            bar.update(step, f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e}", force=True)
             return
         log.info(
             "%s step %d/%d (global %d): loss %.4f mlm %.4f nsp %.4f mlm_acc %.3f nsp_acc %.3f "
@@ -412,10 +412,10 @@ class PhaseStage:
             metrics["nsp_accuracy"],
             metrics["lr"],
             metrics["samples_per_s"],
-            progress.line(step) if progress is not None else "",
+            bar.line(step) if bar is not None else "",
         )
-        if progress is not None:
-            progress.touch()
+        if bar is not None:
+            bar.touch()
 
     @torch.no_grad()
     def evaluate(self, engine: Any, step: int) -> None:
