@@ -36,12 +36,13 @@ def add_finetune_command(sub: argparse._SubParsersAction) -> None:
 
 def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.finetuning.config import FinetuneConfig
+
+    cfg = config_from_args(FinetuneConfig, args)
+    if cfg is None:  # --print-config: the stage's modules (torch) are not imported
+        return 0
     from bertpipe.finetuning.run import run_finetuning
     from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
-    cfg = config_from_args(FinetuneConfig, args)
-    if cfg is None:
-        return 0
     preflight(
         [("init_from", cfg.init_from)] if cfg.init_from else [],
         [("checkpoint.dir", cfg.checkpoint.dir)] if cfg.checkpoint.dir else [],
@@ -87,12 +88,13 @@ def add_sweep_command(sub: argparse._SubParsersAction) -> None:
 
 def _sweep(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.finetuning.config import FinetuneConfig
-    from bertpipe.finetuning.sweep import run_sweep
-    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
     cfg = config_from_args(FinetuneConfig, args)
     if cfg is None:
         return 0
+    from bertpipe.finetuning.sweep import run_sweep
+    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
+
     try:
         result = run_sweep(cfg)
     except PreemptedError:  # the trial in progress saved (and logged) its checkpoint

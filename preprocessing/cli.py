@@ -37,11 +37,12 @@ def add_tokenizer_command(sub: argparse._SubParsersAction) -> None:
 
 def _tokenizer_train(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.preprocessing.config import TokenizerConfig
-    from bertpipe.preprocessing.run import train_tokenizer
 
     cfg = config_from_args(TokenizerConfig, args, ["overwrite=true"] if args.overwrite else [])
-    if cfg is None:
+    if cfg is None:  # --print-config: Beam is not imported
         return 0
+    from bertpipe.preprocessing.run import train_tokenizer
+
     reads = [("input.paths", p) for p in cfg.input.paths]
     if cfg.vocab_file:
         reads.append(("vocab_file", cfg.vocab_file))
@@ -77,11 +78,12 @@ def add_preprocess_command(sub: argparse._SubParsersAction) -> None:
 
 def _preprocess(args: argparse.Namespace, passthrough: list[str]) -> int:
     from bertpipe.preprocessing.config import PreprocessConfig
-    from bertpipe.preprocessing.run import run_preprocess
 
     cfg = config_from_args(PreprocessConfig, args, ["overwrite=true"] if args.overwrite else [])
     if cfg is None:
         return 0
+    from bertpipe.preprocessing.run import run_preprocess
+
     preflight(
         [*(("input.paths", p) for p in cfg.input.paths), ("tokenizer", cfg.tokenizer)],
         [("output", cfg.output)],

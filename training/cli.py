@@ -56,14 +56,15 @@ def add_pretrain_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:
-    import torch.distributed as dist
-
     from bertpipe.training.config import PretrainConfig
-    from bertpipe.training.trainer import PREEMPTED_EXIT_CODE, PreemptedError, run_pretraining
 
     cfg = config_from_args(PretrainConfig, args)
-    if cfg is None:
+    if cfg is None:  # --print-config and the like: no torch to import (infra scripts use it)
         return 0
+    import torch.distributed as dist
+
+    from bertpipe.training.trainer import PREEMPTED_EXIT_CODE, PreemptedError, run_pretraining
+
     reads = [(f"phases[{i}].data", p.data) for i, p in enumerate(cfg.phases)]
     if cfg.model.init_from:
         reads.append(("model.init_from", cfg.model.init_from))

@@ -4,9 +4,10 @@ periodic checkpoint is all there is); the same command each time (``resume=auto`
 what the uninterrupted run ends with: the same losses, metrics, best epoch and best model.
 
 The signals are real signals the process sends itself at a given step
-(``BERTPIPE_FAULT_SIGNAL``), so that "mid-epoch" is the same point on every machine. Every
-run is a fresh single-threaded process, as a real job is (CPU kernels may round differently
-with another thread count)."""
+(``BERTPIPE_FAULT_SIGNAL``), so that "mid-epoch" is the same point on every machine. The runs a
+signal stops are fresh single-threaded processes, as a real job is; the uninterrupted
+reference and the last resume run in the test process on one thread too (CPU kernels may
+round differently with another thread count)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from bertpipe.config import ConfigError, load_config
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.run import run_finetuning
 from bertpipe.training import checkpoint as ckpt
+from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 from tests.faultenv import FAULT_SIGNAL
 from tests.finetuning.test_loop import _glue_files
@@ -40,6 +42,12 @@ def _finetune(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=600,
     )
+
+
+def _finetune_here(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The same command in this process, on one thread: a run no signal stops needs no
+    interpreter of its own."""
+    return run_cli(["finetune", *args], {**_env(), "OMP_NUM_THREADS": "1"})
 
 
 def _summary(proc: subprocess.CompletedProcess[str]) -> dict:  # type: ignore[type-arg]
@@ -74,7 +82,7 @@ def test_sigterm_then_sigkill_mid_epoch_resume_to_the_same_result(
     ]
     ref_uri = sqlite_uri(tmp_path / "reference.db")
     reference = _summary(
-        _finetune([*common, f"output={tmp_path / 'reference'}", f"tracking.uri={ref_uri}"])
+        _finetune_here([*common, f"output={tmp_path / 'reference'}", f"tracking.uri={ref_uri}"])
     )
     out, uri = tmp_path / "run", sqlite_uri(tmp_path / "run.db")
     args = [*common, f"output={out}", f"tracking.uri={uri}"]
@@ -100,7 +108,7 @@ def test_sigterm_then_sigkill_mid_epoch_resume_to_the_same_result(
     assert "\n" not in str(error.value) and "checkpoint.allow_changes" in str(error.value)
     assert ckpt.latest_tag(str(folder)) == "global_step12"
 
-    resumed = _summary(_finetune(args))
+    resumed = _summary(_finetune_here(args))
     assert resumed["metrics"] == reference["metrics"]
     assert resumed["best_epoch"] == reference["best_epoch"]
     assert resumed["run_id"] == state.mlflow_run_id  # one MLflow run across the three processes

@@ -1,8 +1,11 @@
-"""One rank of the LAMB-under-ZeRO check (started by torchrun from test_lamb_zero.py): a small
-model trained 20 LAMB steps through bertpipe's own engine set-up (build_engine), the global
-batch split over the ranks, optionally with the step counters reset after some steps (as at
-the start of NVIDIA's phase 2); rank 0 writes the final weights, losses, partition layout,
-every rank's trust-ratio statistics and step counters."""
+"""The runs of the LAMB-under-ZeRO check (tests/training/test_lamb_zero.py): a small model
+trained 20 LAMB steps through bertpipe's own engine set-up (build_engine), the global batch
+split over the ranks, optionally with the step counters reset after some steps (as at the
+start of NVIDIA's phase 2). :func:`train` is one run on the job this process is in (the test
+calls it for the 1-rank reference); run as a script under torchrun, each rank does the runs
+``--job STAGE:PRECISION:RESET_AT:OUT`` one after the other (one interpreter per rank for all
+of them), and rank 0 writes each run's final weights, losses, partition layout, every rank's
+trust-ratio statistics and step counters."""
 
 from __future__ import annotations
 
@@ -10,13 +13,14 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 from torch import nn
 
 from bertpipe.config import load_config
 from bertpipe.training.config import PretrainConfig
-from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
+from bertpipe.training.engine import DistInfo, EngineSpec, build_engine, init_distributed
 from bertpipe.training.optim import client_optimizer, reset_step_counters, zero_partitions
 
 GLOBAL_BATCH = 8
@@ -36,38 +40,33 @@ class Net(nn.Module):
         return self.out(torch.tanh(self.mid(self.LayerNorm(self.emb(x)))))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--reset-at", type=int, default=0, help="reset the step counters here")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    info = init_distributed()
+def train(
+    info: DistInfo, stage: int, precision: str = "fp32", reset_at: int = 0, steps: int = 20
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """One run on every rank of the job; rank 0 gets (final weights, what the ranks saw)."""
     micro = GLOBAL_BATCH // info.world_size
     cfg = load_config(
         PretrainConfig,
         None,
         [
-            f"precision={args.precision}",
-            f"zero.stage={args.stage}",
+            f"precision={precision}",
+            f"zero.stage={stage}",
             "optimizer.name=lamb",
             "optimizer.weight_decay=0.01",
             "optimizer.max_grad_norm=1.0",
-            f"phases=[{{name: p, max_steps: {args.steps}, micro_batch_size: {micro}, "
+            f"phases=[{{name: p, max_steps: {steps}, micro_batch_size: {micro}, "
             f"global_batch_size: {GLOBAL_BATCH}, learning_rate: 0.02, warmup: 0.2}}]",
         ],
     )
     torch.manual_seed(0)
     model = Net()
     engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[0], info.world_size))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.precision]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     data = torch.Generator().manual_seed(1)
     target = nn.Linear(13, 7)
     losses = []
-    for step in range(args.steps):
-        if step and step == args.reset_at:
+    for step in range(steps):
+        if step and step == reset_at:
             reset_step_counters(engine.optimizer)
         x = torch.randn(GLOBAL_BATCH, 13, generator=data)
         y = target(x).detach()
@@ -75,31 +74,43 @@ def main() -> None:
         loss = (engine(x[mine].to(dtype)).float() - y[mine]).square().mean()
         engine.backward(loss)
         engine.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     layout = []
-    if args.stage in (1, 2):
+    if stage in (1, 2):
         layout = [[part.first, len(part.segments)] for _, part in zero_partitions(engine.optimizer)]
     lamb = client_optimizer(engine.optimizer)
     # every rank asks, on its own: no collective behind it
     ratios = getattr(lamb, "trust_ratio_stats", dict)()
     counters = sorted({int(state["step"]) for state in lamb.state.values()})
-    gathered = [None] * info.world_size
+    gathered: list[Any] = [None] * info.world_size
     torch.distributed.all_gather_object(gathered, [layout, ratios, counters])
-    if info.rank == 0:
-        weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
-        torch.save(weights, args.out)
-        with open(args.out + ".json", "w") as f:
-            json.dump(
-                {
-                    "losses": losses,
-                    "layout": [g[0] for g in gathered],
-                    "ratios": gathered[0][1],
-                    "ratios_per_rank": [g[1] for g in gathered],
-                    "steps_per_rank": [g[2] for g in gathered],
-                },
-                f,
-            )
     torch.distributed.barrier()
+    if info.rank != 0:
+        return None
+    weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
+    return weights, {
+        "losses": losses,
+        "layout": [g[0] for g in gathered],
+        "ratios": gathered[0][1],
+        "ratios_per_rank": [g[1] for g in gathered],
+        "steps_per_rank": [g[2] for g in gathered],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--job", action="append", required=True, help="STAGE:PRECISION:RESET_AT:OUT"
+    )
+    args = parser.parse_args()
+    info = init_distributed()
+    for run in args.job:
+        stage, precision, reset_at, out = run.split(":", 3)
+        result = train(info, int(stage), precision, int(reset_at))
+        if result is not None:
+            torch.save(result[0], out)
+            with open(out + ".json", "w") as f:
+                json.dump(result[1], f)
     # leave without interpreter teardown: gloo's threads can abort a process at exit
     # ("terminate called without an active exception") after the work is done
     sys.stdout.flush()

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.cli_runner import run_cli
+
 KEYS = {
     "seq_per_s",
     "real_tokens_per_s",
@@ -31,16 +29,10 @@ KEYS = {
 
 
 def _bench(*args: str) -> dict[str, object]:
-    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update({"DS_ACCELERATOR": "cpu", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    proc = subprocess.run(
-        [sys.executable, "-m", "bertpipe.app.cli", "bench", "train", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """``bertpipe bench train ARGS`` on one thread, in this process (the GPU check's smoke run
+    starts it as a process of its own: tests/test_gpu_check.py)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = run_cli(["bench", "train", *args], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert isinstance(result, dict)

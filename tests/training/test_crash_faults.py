@@ -16,6 +16,7 @@ import pytest
 
 from bertpipe.config import to_yaml
 from bertpipe.training import checkpoint as ckpt
+from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 from tests.faultenv import FAULT_IN_SAVE
 from tests.training.test_pretrain import _cfg, _env, _history
@@ -35,10 +36,20 @@ def _setup(shards: Path, out: Path) -> tuple[Path, str]:
 
 
 def _run(cmd: list[str], fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``cmd`` in a process of its own: the fault kills it."""
     env = _env()
     if fault:
         env[FAULT_IN_SAVE] = fault
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _run_here(cmd: list[str], fault: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``cmd`` (``python -m bertpipe.app.cli ARGS``) in this process: a run that ends by
+    itself (an error, or done) needs no interpreter start-up of its own."""
+    env = _env()
+    if fault:
+        env[FAULT_IN_SAVE] = fault
+    return run_cli(cmd[3:], env)
 
 
 def _losses_twice_equal(uri: str, folder: Path, first_logged: int, last_step: int = 12) -> None:
@@ -64,7 +75,7 @@ def test_killed_while_writing_a_checkpoint(pretrain_shards: Path, tmp_path: Path
     folder = tmp_path / "run" / "checkpoints"
     assert ckpt.latest_tag(str(folder)) == "global_step4"  # the half-written one is not latest
     assert (folder / "global_step8").exists()  # DeepSpeed's files of it are there
-    again = _run(cmd)
+    again = _run_here(cmd)
     assert again.returncode == 0, again.stderr[-2000:]
     assert ckpt.latest_tag(str(folder)) == "global_step12"
     _losses_twice_equal(uri, folder, first_logged=4)  # steps 5-8 ran twice
@@ -74,13 +85,13 @@ def test_disk_full_during_a_save(pretrain_shards: Path, tmp_path: Path) -> None:
     cfg, uri = _setup(pretrain_shards, tmp_path)
     cmd = [sys.executable, "-m", "bertpipe.app.cli", "pretrain", "--config", str(cfg),
            "only_phase=phase1"]  # fmt: skip
-    full = _run(cmd, fault="enospc:global_step8")
+    full = _run_here(cmd, fault="enospc:global_step8")
     assert full.returncode != 0
     assert "No space left on device" in full.stderr
     folder = tmp_path / "run" / "checkpoints"
     assert ckpt.latest_tag(str(folder)) == "global_step4"
     state, _ = ckpt.read_state(str(folder), "global_step4", 0)
     assert state.global_step == 4  # the last complete checkpoint is intact
-    again = _run(cmd)  # space freed: the same command continues
+    again = _run_here(cmd)  # space freed: the same command continues
     assert again.returncode == 0, again.stderr[-2000:]
     _losses_twice_equal(uri, folder, first_logged=4)

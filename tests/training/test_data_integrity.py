@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.collate import IdRangeError, check_ids
 from bertpipe.training.data import PretrainingData
 from bertpipe.training.manifest import DataError, load_manifest
+from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 from tests.training.test_data import (
     SPECIALS,
@@ -422,13 +422,9 @@ def test_loader_workers_leave_the_global_rng_alone(tmp_path: Path) -> None:
 
 
 def _run_cmd(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "bertpipe.app.cli", "pretrain", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    """``bertpipe pretrain ARGS`` as a job would run it, in this process (one interpreter
+    start-up fewer each time; the loader workers are real processes either way)."""
+    return run_cli(["pretrain", *args], env)
 
 
 @pytest.mark.integration

@@ -23,6 +23,7 @@ from bertpipe.training.guard import guard_updates as _skip_nonfinite_updates
 from bertpipe.training.guard import poisoned as _poisoned
 from bertpipe.training.guard import weights_finite as _weights_finite
 from bertpipe.training.trainer import run_pretraining
+from tests.cli_runner import run_cli
 from tests.conftest import free_port, sqlite_uri
 from tests.faultenv import FAULT_NAN_STEPS, FAULT_RAISE_STEP, FAULT_RANK
 from tests.training.test_pretrain import _cfg, _env, _history, _overrides, _pretrain_cmd
@@ -188,7 +189,7 @@ def test_persistent_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     uri = sqlite_uri(tmp_path / "mlflow.db")
     args = _overrides(pretrain_shards, tmp_path / "run", uri, steps=24)
     args += ["only_phase=phase1", "max_bad_steps=3", "checkpoint.every_steps=4"]
-    proc = subprocess.run(_pretrain_cmd(args), env=env, capture_output=True, text=True)
+    proc = run_cli(["pretrain", *args], env)  # in this process: no signal, no ranks
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("bertpipe: error:")]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -206,7 +207,7 @@ def test_persistent_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     assert run.info.status == "FAILED"
     assert run.data.metrics["train/skipped_steps"] == 3
     # the same command without the fault resumes from the good checkpoint
-    proc = subprocess.run(_pretrain_cmd(args), env=_env(), capture_output=True, text=True)
+    proc = run_cli(["pretrain", *args], _env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (folder / "latest").read_text() == "global_step24"
 
@@ -302,7 +303,7 @@ def test_process_group_sigterm_with_loader_workers_saves_and_exits_143(
             break
         assert time.monotonic() < deadline, "loader workers outlived the trainer"
         time.sleep(0.2)
-    proc2 = subprocess.run(_pretrain_cmd(args), env=_env(), capture_output=True, text=True)
+    proc2 = run_cli(["pretrain", *args], _env())  # the resume needs no process group
     assert proc2.returncode == 0, proc2.stderr[-3000:]
     assert (folder / "latest").read_text() == "global_step24"
 

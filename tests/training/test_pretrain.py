@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ from bertpipe.config import load_config, to_yaml
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.trainer import run_pretraining
+from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 from tests.faultenv import FAULT_IN_SAVE, child_pythonpath
 
@@ -151,8 +153,9 @@ def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path, s3
     fault proxy: the SIGTERM arrives while checkpoint global_step4 is uploading, and shard
     reads, uploads, ``latest`` and the resume's downloads meet 503 SlowDown and connection
     resets. It publishes both checkpoints, exits 143, and the same command resumes. Both run
-    in fresh single-threaded processes, as a real job does: CPU kernels may round differently
-    with another thread count or memory layout, which is not what this pins.
+    in fresh single-threaded processes, as a real job does, and the uninterrupted reference on
+    one thread too (in this process: local files only): CPU kernels may round differently with
+    another thread count, which is not what this pins.
     """
     import s3fs
 
@@ -161,12 +164,8 @@ def test_resume_after_sigterm_is_exact(pretrain_shards: Path, tmp_path: Path, s3
     env = {**_env(), "OMP_NUM_THREADS": "1"}
     reference = tmp_path / "reference"
     ref_uri = sqlite_uri(tmp_path / "reference.db")
-    subprocess.run(
-        _pretrain_cmd(_overrides(pretrain_shards, reference, ref_uri, steps=24)),
-        env=env,
-        check=True,
-        capture_output=True,
-    )
+    done = run_cli(["pretrain", *_overrides(pretrain_shards, reference, ref_uri, steps=24)], env)
+    assert done.returncode == 0, done.stderr[-3000:]
     shards = f"{s3.bucket}/shards"
     s3fs.S3FileSystem().put(str(pretrain_shards), shards.removeprefix("s3://"), recursive=True)
     folder = f"{s3.bucket}/run/checkpoints"
@@ -251,6 +250,8 @@ def _launch(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
 def test_two_ranks_zero2_and_universal_resume(pretrain_shards: Path, tmp_path: Path) -> None:
     """A 2-rank ZeRO-2 run; a universal checkpoint of it resumes on 1 rank. (2 nodes of 1
     rank each, under every launcher: tests/multihost/test_launch_paths.py.)"""
+    from deepspeed.checkpoint import ds_to_universal
+
     bin_dir = Path(sys.executable).parent  # the environment's scripts, activated or not
     bertpipe, deepspeed = str(bin_dir / "bertpipe"), str(bin_dir / "deepspeed")
     assert Path(bertpipe).exists(), "bertpipe must be installed (make install)"
@@ -266,21 +267,20 @@ def test_two_ranks_zero2_and_universal_resume(pretrain_shards: Path, tmp_path: P
     assert state.world_size == 2
     assert len(_history(uri, state.mlflow_run_id, "train/loss")) == 6
 
-    # universal checkpoint: convert the 2-rank ZeRO-2 checkpoint, continue phase 1 on 1 rank
+    # universal checkpoint: convert the 2-rank ZeRO-2 checkpoint (DeepSpeed's converter, what
+    # `python -m deepspeed.checkpoint.ds_to_universal` runs, here in this process without its
+    # worker pools), continue phase 1 on 1 rank
     folder = tmp_path / "one_node" / "run" / "checkpoints"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deepspeed.checkpoint.ds_to_universal",
-            "--input_folder",
-            str(folder / "global_step6"),
-            "--output_folder",
-            str(folder / "global_step6_universal"),
-        ],
-        env=_env(),
-        check=True,
-        capture_output=True,
+    ds_to_universal.main(
+        argparse.Namespace(
+            input_folder=str(folder / "global_step6"),
+            output_folder=str(folder / "global_step6_universal"),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=False,
+        )
     )
     shutil.copy(folder / "global_step6" / "bertpipe_state.json", folder / "global_step6_universal")
     uri = sqlite_uri(tmp_path / "one_node" / "mlflow.db")
