@@ -212,31 +212,59 @@ def test_persistent_nan_stops_with_one_line_and_keeps_the_last_good_checkpoint(
     assert (folder / "latest").read_text() == "global_step24"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", [0, 1])
-def test_nan_on_one_rank_is_skipped_on_both(
-    stage: int, pretrain_shards: Path, tmp_path: Path
-) -> None:
-    """2 ranks, a NaN loss on rank 1 only: both ranks skip the same step (the flag travels in
-    the gradients' own reduction), the run completes and the ranks stay in step."""
+NAN_ON_ONE_RANK_STAGES = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def nan_on_one_rank(pretrain_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks (torchrun), a NaN loss at step 3 on rank 1 only, a run of 6 steps at each ZeRO
+    stage of :data:`NAN_ON_ONE_RANK_STAGES`, one after the other in the same two processes
+    (``cli_sequence_worker.py``: two interpreter start-ups per rank fewer). Made once per
+    test run, shared by the pytest workers through the run's temporary folder; returns the
+    folder with ``zero<stage>/`` (``run/``, ``mlflow.db``) for each."""
+    import shlex
     import sys
+
+    from filelock import FileLock
 
     from bertpipe.config import to_yaml
 
-    bin_dir = Path(sys.executable).parent
-    uri = sqlite_uri(tmp_path / "mlflow.db")
-    cfg = _cfg(pretrain_shards, tmp_path / "run", uri, steps=6, zero__stage=stage)
-    (tmp_path / "cfg.yaml").write_text(to_yaml(cfg))
-    env = {**_env(), FAULT_NAN_STEPS: "3", FAULT_RANK: "1"}
-    # torchrun: two interpreter start-ups fewer than the deepspeed launcher (which the
-    # launcher tests cover)
-    cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port())]
-    cmd += [str(bin_dir / "bertpipe"), "pretrain", "--config", str(tmp_path / "cfg.yaml")]
-    proc = subprocess.run(
-        [*cmd, "only_phase=phase1"], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    folder = tmp_path / "run" / "checkpoints"
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "nan-on-one-rank"
+    with FileLock(str(shared) + ".lock", timeout=900):
+        if (shared / "done").exists():
+            return shared
+        shared.mkdir(exist_ok=True)
+        commands = []
+        for stage in NAN_ON_ONE_RANK_STAGES:
+            out = shared / f"zero{stage}"
+            out.mkdir(exist_ok=True)
+            uri = sqlite_uri(out / "mlflow.db")
+            cfg = _cfg(pretrain_shards, out / "run", uri, steps=6, zero__stage=stage)
+            (out / "cfg.yaml").write_text(to_yaml(cfg))
+            commands.append(shlex.join(["pretrain", "--config", str(out / "cfg.yaml"),
+                                        "only_phase=phase1"]))  # fmt: skip
+        bin_dir = Path(sys.executable).parent
+        env = {**_env(), FAULT_NAN_STEPS: "3", FAULT_RANK: "1"}
+        # torchrun: two interpreter start-ups fewer than the deepspeed launcher (which the
+        # launcher tests cover)
+        cmd = [str(bin_dir / "torchrun"), "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(Path(__file__).with_name("cli_sequence_worker.py")),
+               *commands]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        (shared / "done").write_text("")
+    return shared
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", NAN_ON_ONE_RANK_STAGES)
+def test_nan_on_one_rank_is_skipped_on_both(stage: int, nan_on_one_rank: Path) -> None:
+    """2 ranks, a NaN loss on rank 1 only: both ranks skip the same step (the flag travels in
+    the gradients' own reduction), the run completes and the ranks stay in step."""
+    out = nan_on_one_rank / f"zero{stage}"
+    uri = sqlite_uri(out / "mlflow.db")
+    folder = out / "run" / "checkpoints"
     state, _ = ckpt.read_state(str(folder), "global_step6", 0)
     assert state.world_size == 2 and state.skipped_steps == 1
     assert _all_finite(_module_weights(folder, "global_step6"))
