@@ -340,6 +340,15 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     raise ConfigError(key, f"unsupported config type {hint!r}")  # a bug in a config class
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The parser's complaint and where, on one line: ``line 3, column 7: expected ',' ...``."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(exc, "context", None)
+    return f"{where}{problem}" + (f" ({context})" if context else "") + "; fix the file"
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     from bertpipe import fsio
 
@@ -349,7 +358,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError("", f"config file {path} does not exist") from None
     except yaml.YAMLError as exc:
-        raise ConfigError("", f"config file {path} is not valid YAML: {exc}") from None
+        raise ConfigError(
+            "", f"config file {path} is not valid YAML: {_yaml_problem(exc)}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

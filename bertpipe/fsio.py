@@ -192,7 +192,7 @@ def expand_urls(patterns: Sequence[str] | str) -> list[str]:
             else:
                 matches = []
         if not matches:
-            if not _is_local(fs):  # s3fs finds nothing in a bucket that does not exist
+            if not is_local(fs):  # s3fs finds nothing in a bucket that does not exist
                 check_storage(pattern)
             raise NoMatchError(f"input {redact(pattern)} matches no file: check the path or glob")
         for p in sorted(matches):
@@ -263,7 +263,7 @@ def atomic_writer(url: str) -> Iterator[IO[bytes]]:
     """
     fs, path = to_fs(url)
     parent = posixpath.dirname(path)
-    if not _is_local(fs):
+    if not is_local(fs):
         with storage_errors(url):
             if parent:
                 fs.makedirs(parent, exist_ok=True)
@@ -303,7 +303,7 @@ def remove(urls: Iterable[str], recursive: bool = False) -> None:
             fs.rm(path, recursive=recursive)
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
     return protocol in ("file", "local")
 
@@ -410,6 +410,25 @@ def backoff(what: str, exc: BaseException, wait: float, attempt: int, policy: Re
 def _first_line(exc: BaseException) -> str:
     text = str(exc)
     return redact(text.splitlines()[0]) if text else type(exc).__name__
+
+
+class BadFileError(BertpipeError):
+    """A file bertpipe wrote (a manifest, a checkpoint's state) that does not parse."""
+
+
+def parse_json(raw: bytes | str, url: str, advice: str) -> Any:
+    """``raw`` (the text of ``url``) decoded as JSON; a file that does not parse (truncated,
+    not UTF-8) is a one-line :class:`BadFileError` naming ``url``, where it broke and
+    ``advice`` (what to do)."""
+    import json
+
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as exc:
+        where = f"line {exc.lineno}, column {exc.colno} (byte {exc.pos}): {exc.msg}"
+    except ValueError as exc:  # not UTF-8
+        where = str(exc).splitlines()[0]
+    raise BadFileError(f"{redact(url)} is not valid JSON at {where}: {advice}")
 
 
 def file_sha256(url: str) -> str:

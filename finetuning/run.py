@@ -183,8 +183,23 @@ class Finetuner:
                 f"{labels}: start from the pre-trained (not fine-tuned) model, or give the "
                 "same labels",
             )
-        # every rank takes the folder rank 0 chose (a copy: the caller's config is unchanged)
-        self.cfg = cfg = dataclasses.replace(cfg, output=run_folder(cfg, info))
+        # every rank takes the folder rank 0 chose (a copy: the caller's config is unchanged),
+        # held under its lease until close()
+        self.closing = contextlib.ExitStack()
+        folder = self.closing.enter_context(run_folder(cfg, info))
+        try:
+            self._set_up(dataclasses.replace(cfg, output=folder), faults)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run folder's lease."""
+        self.closing.close()
+
+    def _set_up(self, cfg: FinetuneConfig, faults: Faults | None) -> None:
+        info = self.info
+        self.cfg = cfg
         self.output = Path(str(cfg.output))
         self.faults = faults if faults is not None else fault_injection.for_rank(info.rank)
         self.stop = StopFlag()
@@ -558,3 +573,5 @@ def run_finetuning(
     except PreemptedError as exc:
         log.warning("%s; run the same command (output=%s) to continue", exc, finetuner.output)
         raise
+    finally:
+        finetuner.close()

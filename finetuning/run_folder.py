@@ -8,18 +8,23 @@ deletes the previous run's outputs (:data:`RUN_OUTPUTS`, ``trial-*``) first. Wit
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from bertpipe.config import ConfigError
+from bertpipe.errors import StorageAccessError
 from bertpipe.finetuning.config import FinetuneConfig
+from bertpipe.fsio import storage_errors
+from bertpipe.lease import LEASE_NAME, Lease, OutputInUseError
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.engine import DistInfo
 
@@ -31,27 +36,54 @@ RUN_OUTPUTS = ("best", "predictions", "checkpoints", "finetune.yaml")
 """What a fine-tuning run writes in its folder (a sweep: ``trial-*`` folders of these)."""
 
 
-def run_folder(cfg: FinetuneConfig, info: DistInfo, prefix: str = "") -> str:
-    """The run's folder, the same on every rank: chosen (and made) by rank 0, broadcast.
+@contextlib.contextmanager
+def run_folder(cfg: FinetuneConfig, info: DistInfo, prefix: str = "") -> Iterator[str]:
+    """The run's folder, the same on every rank: chosen (and made) by rank 0, broadcast, and
+    held under rank 0's lease (:mod:`bertpipe.lease`) until the block ends.
 
-    ``cfg.output`` if given; a folder that already holds files is refused (a
-    :class:`ConfigError` on every rank) unless it holds a stopped run's checkpoint that
-    ``checkpoint.resume`` continues (not for sweeps), or ``overwrite=true``, which deletes the
-    previous run's outputs (:data:`RUN_OUTPUTS`, ``trial-*``) first. Without ``output``: a new
-    folder ``<output_root>/<prefix><task name>-<UTC time>`` (``-2``, ``-3``... if taken).
+    ``cfg.output`` if given; its lease is taken first (a live run there: an
+    :class:`~bertpipe.lease.OutputInUseError` on every rank, nothing touched). A folder that
+    already holds files is refused (a :class:`ConfigError` on every rank) unless it holds a
+    stopped run's checkpoint that ``checkpoint.resume`` continues (not for sweeps), or
+    ``overwrite=true``, which deletes the previous run's outputs (:data:`RUN_OUTPUTS`,
+    ``trial-*``) first. Without ``output``: a new folder ``<output_root>/<prefix><task
+    name>-<UTC time>`` (``-2``, ``-3``... if taken).
     """
     decision: list[Any] = [None]
+    held: Lease | None = None
     if info.is_main:
         try:
-            decision[0] = ("ok", _choose_folder(cfg, prefix))
+            if cfg.output:
+                if Path(cfg.output).exists() and not Path(cfg.output).is_dir():
+                    raise ConfigError("output", f"{cfg.output} is a file: choose a folder")
+                held = _lease(cfg.output, cfg)
+            folder = _choose_folder(cfg, prefix)
+            held = held or _lease(folder, cfg)
+            decision[0] = ("ok", folder)
         except ConfigError as exc:
-            decision[0] = ("error", exc.key, exc.message)
+            decision[0] = ("error", ConfigError, exc.key, exc.message)
+        except (OutputInUseError, StorageAccessError) as exc:
+            decision[0] = ("error", type(exc), "", str(exc))
+        if decision[0][0] == "error" and held is not None:
+            held.release()
     if info.world_size > 1:
         dist.broadcast_object_list(decision, src=0)
     kind, *rest = decision[0]
     if kind == "error":
-        raise ConfigError(*rest)
-    return str(rest[0])
+        error, key, message = rest
+        raise ConfigError(key, message) if error is ConfigError else error(message)
+    try:
+        yield str(rest[0])
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _lease(folder: str, cfg: FinetuneConfig) -> Lease:
+    lease = Lease(folder, "finetune", cfg.checkpoint.lease_timeout_s)
+    with storage_errors(lease.url):
+        lease.acquire()
+    return lease
 
 
 def _choose_folder(cfg: FinetuneConfig, prefix: str) -> str:
@@ -59,7 +91,7 @@ def _choose_folder(cfg: FinetuneConfig, prefix: str) -> str:
         folder = Path(cfg.output)
         if folder.exists() and not folder.is_dir():
             raise ConfigError("output", f"{folder} is a file: choose a folder for output=")
-        if folder.is_dir() and any(folder.iterdir()):
+        if folder.is_dir() and any(p.name != LEASE_NAME for p in folder.iterdir()):
             if not cfg.overwrite and not prefix and _resumable(cfg, folder):
                 log.info("%s holds a stopped run's checkpoint: continuing it", folder)
                 return str(folder)

@@ -35,7 +35,7 @@ from bertpipe.finetuning.initialisation import load_initialisation
 from bertpipe.finetuning.publish import TAG_REGISTERED, register_best
 from bertpipe.finetuning.run import FinetuneResult, run_finetuning
 from bertpipe.finetuning.run_folder import run_folder
-from bertpipe.training.engine import init_distributed
+from bertpipe.training.engine import DistInfo, init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,13 @@ def run_sweep(cfg: FinetuneConfig) -> SweepResult:
     info = init_distributed()
     grid = trials(cfg)
     init = load_initialisation(cfg)
-    folder = run_folder(cfg, info, prefix="sweep-")
+    with run_folder(cfg, info, prefix="sweep-") as folder:
+        return _run_trials(cfg, info, grid, init, folder)
+
+
+def _run_trials(
+    cfg: FinetuneConfig, info: DistInfo, grid: list[dict[str, Any]], init: Any, folder: str
+) -> SweepResult:
     keep_all = cfg.sweep.keep_models == "all"
     results: list[tuple[dict[str, Any], FinetuneResult]] = []
     best_index: int | None = None

@@ -432,7 +432,10 @@ class _Folder:
         if raw is None:
             return f"{STATE_FILE} is missing"
         if self.remote is None:
-            world = int(json.loads(raw).get("world_size", 1))
+            try:
+                world = int(json.loads(raw).get("world_size", 1))
+            except ValueError:
+                return f"{STATE_FILE} does not parse"
             local = _local_path(self.folder) / tag
             for rank in range(world):
                 if not (local / _rank_file(rank)).exists():
@@ -494,12 +497,14 @@ def read_state(folder: str, tag: str, rank: int) -> tuple[CheckpointState, dict[
             f"{path} is missing: {tag} was not written by bertpipe or is incomplete; "
             "choose another checkpoint with checkpoint.resume=<tag>"
         )
-    raw = json.loads(raw_text)
+    redo = "choose another checkpoint with checkpoint.resume=<tag>"
+    raw = fsio.parse_json(raw_text, path, redo)
     if raw.get("version") != STATE_VERSION:
         raise ValueError(f"{path} has state version {raw.get('version')}, expected {STATE_VERSION}")
     state = CheckpointState(**raw)
     rank_text = where.read_text(f"{tag}/{_rank_file(rank)}")
-    rank_state = json.loads(rank_text) if rank_text is not None else None
+    rank_url = fsio.join(folder, tag, _rank_file(rank))
+    rank_state = fsio.parse_json(rank_text, rank_url, redo) if rank_text is not None else None
     return state, rank_state
 
 
@@ -533,7 +538,8 @@ def _update_index(folder: str, tag: str, state: CheckpointState, good: bool = Tr
 
 def _read_index(folder: str) -> list[dict[str, Any]]:
     text = _Folder(folder).read_text(INDEX_FILE)
-    return json.loads(text) if text else []
+    advice = "delete it (bertpipe writes it again; pruning forgets the older checkpoints)"
+    return fsio.parse_json(text, fsio.join(folder, INDEX_FILE), advice) if text else []
 
 
 def prune(folder: str, keep_last: int) -> list[str]:

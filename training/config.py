@@ -315,6 +315,12 @@ class CheckpointConfig:
     """Resume even if a phase's data manifest differs from the one the checkpoint was trained
     on (its sha256 is stored in the checkpoint). By default such a resume is refused: the
     saved data position would point into other data."""
+    lease_timeout_s: float = 60.0
+    """A run holds a lease on its output (``<output>/.bertpipe-lease.json``), renewed every
+    quarter of this; a second run on the same output is refused (exit 2) while the holder
+    lives. A lease not renewed for this long (on the holder's own host: at once once its
+    process is gone) is taken over with a warning, so a requeue after a crash resumes; a
+    requeue on another host waits up to this long for the old lease to expire."""
     allow_changes: list[str] = field(default_factory=list)
     """Settings a resume may change although they fix what the checkpoint is (the model's
     shape, the batch, the seed, precision, ZeRO stage, the optimizer's kind), e.g.
@@ -329,6 +335,8 @@ class CheckpointConfig:
             raise ConfigError("preemption_check_steps", "must be at least 1")
         if self.publish_timeout_s <= 0:
             raise ConfigError("publish_timeout_s", "must be positive")
+        if self.lease_timeout_s <= 0:
+            raise ConfigError("lease_timeout_s", "must be positive")
         if self.local_dir is not None and "://" in self.local_dir:
             raise ConfigError("local_dir", f"{self.local_dir} must be a local folder")
 

@@ -130,11 +130,15 @@ def tokenizer_folder(state: ckpt.CheckpointState, tokenizer: str | None) -> str:
         raise ExportError("the checkpoint records no phases: pass --tokenizer")
     manifest_url = fsio.join(phases[0]["data"], "manifest.json")
     try:
-        with fsio.open_url(manifest_url, "rt") as f:
-            manifest = json.load(f)
+        with fsio.open_url(manifest_url, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise ExportError(f"{manifest_url} is gone: pass --tokenizer") from None
-    return str(manifest["config"]["tokenizer"])
+    manifest = fsio.parse_json(raw, manifest_url, "pass --tokenizer")
+    try:
+        return str(manifest["config"]["tokenizer"])
+    except (KeyError, TypeError):
+        raise ExportError(f"{manifest_url} names no tokenizer: pass --tokenizer") from None
 
 
 EXPORT_INFO = "bertpipe_export.json"

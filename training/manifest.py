@@ -20,7 +20,6 @@ Transient read errors (``OSError``, timeouts) are retried with ``data.read_retri
 from __future__ import annotations
 
 import hashlib
-import json
 import posixpath
 from dataclasses import dataclass, field
 from typing import Any
@@ -171,9 +170,9 @@ def load_manifest(folder: str, retry: RetryPolicy | None = None) -> Manifest:
 
 def _decode(url: str, raw: bytes) -> Any:
     try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise DataError(f"{url} is not valid JSON ({exc}): rerun `bertpipe preprocess`") from None
+        return fsio.parse_json(raw, url, "rerun `bertpipe preprocess` for this phase")
+    except fsio.BadFileError as exc:
+        raise DataError(str(exc)) from None
 
 
 def validate_manifest(folder: str, raw: Any, retry: RetryPolicy | None = None) -> Manifest:
@@ -232,17 +231,31 @@ def validate_manifest(folder: str, raw: Any, retry: RetryPolicy | None = None) -
     return manifest
 
 
+class ShardsMissingError(OSError):
+    """Shards the manifest lists that the phase folder's listing lacks: storage that lost
+    them (an outage, a mount that went away) or a folder being copied, retried like any
+    read (exit 75 if they stay away), not bad data."""
+
+
 def _check_shards_exist(folder: str, manifest: Manifest, retry: RetryPolicy | None) -> None:
-    """One listing of ``folder``: a shard the manifest lists and the folder lacks is a
-    :class:`DataError`."""
+    """A listing of ``folder`` (again after a transient error or while shards the manifest
+    lists are absent, with ``retry``'s backoff): still absent after the retries is a
+    :class:`~bertpipe.errors.TransientError` naming the first one (exit 75)."""
     fs, path = fsio.to_fs(folder)
-    listing = fsio.retried(
-        lambda: fs.ls(path, detail=False), f"listing {folder}", retry, _transient_unless_missing
+    names = [s for shards in manifest.splits.values() for s in shards]
+
+    def check() -> None:
+        fs.invalidate_cache(path)  # a listing cached before the last attempt
+        listing = fs.ls(path, detail=False)
+        present = {posixpath.basename(p.rstrip("/")) for p in listing}
+        missing = [s.url for s in names if s.file not in present]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ShardsMissingError(f"{missing[0]}{more} does not exist")
+
+    fsio.retried(
+        check,
+        f"{manifest.url} lists shards the folder lacks",
+        retry,
+        lambda exc: isinstance(exc, ShardsMissingError) or _transient_unless_missing(exc),
     )
-    present = {posixpath.basename(p.rstrip("/")) for p in listing}
-    splits = manifest.splits.values()
-    missing = [s.url for shards in splits for s in shards if s.file not in present]
-    if missing:
-        raise DataError(
-            f"{manifest.url} lists {missing[0]}, which does not exist: rerun `bertpipe preprocess`"
-        )

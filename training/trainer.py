@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bertpipe import fsio, tracking
+from bertpipe import fsio, lease, tracking
 from bertpipe.config import ConfigError, redacted, to_dict, to_yaml
 from bertpipe.fsio import RetryPolicy
 from bertpipe.progress import ProgressLine
@@ -177,6 +177,8 @@ class Trainer:
             changes = self.checkpoints.continue_from(
                 resume, PRETRAIN_FIXED, not_started=lambda key: _later_phase(key, done)
             )
+        if self.info.is_main:  # only now: a refused resume leaves the output as it was
+            self._write_run_files()
         last = len(self.cfg.phases) - 1 if self.cfg.only_phase is None else first
         summary: dict[str, Any] = {}
         with self.stop, self._tracking(changes), self.checkpoints.uploads_finished():
@@ -187,6 +189,16 @@ class Trainer:
                 if stopped and index < last:  # saved at the phase's end; the next one waits
                     raise PreemptedError(f"stopped by SIGTERM at the end of {name}")
         return summary
+
+    def _write_run_files(self) -> None:
+        """The resolved config (``pretrain.yaml``, what ``--config`` replays) and each phase's
+        DeepSpeed config, into the output."""
+        fsio.atomic_write_text(fsio.join(self.cfg.output, "pretrain.yaml"), to_yaml(self.cfg))
+        for i, phase in enumerate(self.cfg.phases):
+            fsio.atomic_write_text(
+                fsio.join(self.cfg.output, f"ds_config_{phase.name}.json"),
+                json.dumps(self.engine_spec(i).ds_config(), indent=2),
+            )
 
     @contextlib.contextmanager
     def _tracking(self, changes: dict[str, tuple[Any, Any]]) -> Iterator[None]:
@@ -477,20 +489,16 @@ def run_pretraining(cfg: PretrainConfig, faults: Faults | None = None) -> dict[s
     check_hardware(local_hardware(), precision=cfg.precision, fused=cfg.optimizer.fused)
     info = init_distributed()
     cfg.check_world(info.world_size)
-    trainer = Trainer(cfg, info, faults)
-    if info.is_main:
-        fsio.atomic_write_text(fsio.join(cfg.output, "pretrain.yaml"), to_yaml(cfg))
-        for i, phase in enumerate(cfg.phases):
-            fsio.atomic_write_text(
-                fsio.join(cfg.output, f"ds_config_{phase.name}.json"),
-                json.dumps(trainer.engine_spec(i).ds_config(), indent=2),
-            )
-    try:
-        with watched(info.rank, info.world_size, cfg.distributed.peer_timeout_s):
-            summary = trainer.run()
-    except PreemptedError as exc:
-        log.warning("%s", exc)
-        raise
-    if info.is_main:
-        fsio.atomic_write_text(fsio.join(cfg.output, "summary.json"), json.dumps(summary, indent=2))
+    timeout = cfg.checkpoint.lease_timeout_s
+    with lease.held(cfg.output, "pretrain", timeout, rank=info.rank, world_size=info.world_size):
+        trainer = Trainer(cfg, info, faults)
+        try:
+            with watched(info.rank, info.world_size, cfg.distributed.peer_timeout_s):
+                summary = trainer.run()
+        except PreemptedError as exc:
+            log.warning("%s", exc)
+            raise
+        if info.is_main:
+            summary_url = fsio.join(cfg.output, "summary.json")
+            fsio.atomic_write_text(summary_url, json.dumps(summary, indent=2))
     return summary

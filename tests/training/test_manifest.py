@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import uuid
 
 import pytest
 
 from bertpipe import fsio
 from bertpipe.config import ConfigError
+from bertpipe.errors import TransientError
+from bertpipe.fsio import RetryPolicy
 from bertpipe.training.config import DataConfig, EvalConfig, PhaseSpec
 from bertpipe.training.data import PretrainingData, build_pretraining_data
 from bertpipe.training.manifest import (
@@ -80,7 +83,40 @@ def test_phase_manifest_errors_name_the_manifest(folder: str) -> None:
         read_phase_data(PhaseSpec(data=folder), "phases[1]")
 
 
-def test_phase_manifest_listing_a_missing_shard_fails_before_any_loader(folder: str) -> None:
+def test_a_listed_shard_missing_at_start_is_an_outage_retried_then_exit_75(folder: str) -> None:
+    """A shard the manifest lists and the folder lacks is storage gone (the run was requeued
+    after an outage), not bad data: the listing is retried, then it is a TransientError
+    (exit 75) naming the file and the attempts."""
     fsio.remove([fsio.join(folder, "train-00002.tar")])
-    with pytest.raises(DataError, match=r"lists .*train-00002\.tar, which does not exist"):
+    retry = RetryPolicy(retries=2, delay=0.01)
+    with pytest.raises(TransientError) as error:
+        read_phase_data(PhaseSpec(data=folder), "phases[0]", retry)
+    message = str(error.value)
+    assert "train-00002.tar does not exist" in message and "after 3 attempt(s)" in message
+    assert "\n" not in message and error.value.exit_code == 75
+
+
+def test_a_shard_back_before_the_retries_end_is_read_normally(folder: str) -> None:
+    shard = fsio.join(folder, "train-00002.tar")
+    with fsio.open_url(shard, "rb") as f:
+        data = f.read()
+    fsio.remove([shard])
+    timer = threading.Timer(0.3, lambda: fsio.atomic_write_bytes(shard, data))
+    timer.start()
+    try:
+        d = read_phase_data(PhaseSpec(data=folder), "phases[0]", RetryPolicy(retries=4, delay=0.2))
+    finally:
+        timer.join()
+    assert any(s.file == "train-00002.tar" for s in d.parsed.splits["train"])
+
+
+def test_a_truncated_manifest_is_one_line_with_the_position(folder: str) -> None:
+    url = fsio.join(folder, "manifest.json")
+    with fsio.open_url(url, "rb") as f:
+        raw = f.read()
+    fsio.atomic_write_bytes(url, raw[: len(raw) // 2])
+    with pytest.raises(DataError) as error:
         read_phase_data(PhaseSpec(data=folder), "phases[0]")
+    message = str(error.value)
+    assert message.startswith(f"{url} is not valid JSON at line ") and "column" in message
+    assert "\n" not in message and "bertpipe preprocess" in message

@@ -8,7 +8,12 @@ restarts the optimizer's step counter when the recipe says so. Real DeepSpeed on
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +25,11 @@ from bertpipe.config import ConfigError
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.faults import Faults
 from bertpipe.training.trainer import run_pretraining
+from bertpipe.lease import LEASE_NAME
+from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
-from tests.training.test_pretrain import _cfg
+from tests.faultenv import FAULT_SIGNAL
+from tests.training.test_pretrain import _cfg, _env, _overrides
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +73,18 @@ def _resume_at_4(run_to_8: dict[str, Any], name: str) -> Path:
     target = run_to_8["out"] / name / "checkpoints"
     shutil.copytree(source / "global_step4", target / "global_step4")
     (target / "latest").write_text("global_step4")
+    for run_file in source.parent.glob("*.*"):  # pretrain.yaml, ds_config_*.json, summary.json
+        shutil.copy2(run_file, target.parent / run_file.name)
     return target.parent
+
+
+def _files(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` and its sha256."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_lower_learning_rate_and_other_weight_decay_apply_at_resume(
@@ -145,11 +164,14 @@ def test_a_changed_shape_or_batch_is_refused_with_one_line(
     out = _resume_at_4(run_to_8, f"refused-{key}")
     kw = _kw()
     kw.update(_dotted(change))
+    before = _files(out)
+    assert "pretrain.yaml" in before and "ds_config_phase1.json" in before
     with pytest.raises(ConfigError) as error:
         run_pretraining(_cfg(pretrain_shards, out, run_to_8["uri"], steps=8, **kw))
     message = str(error.value)
     assert "\n" not in message and key in message and "checkpoint.allow_changes" in message
-    assert ckpt.latest_tag(str(out / "checkpoints")) == "global_step4"  # nothing written
+    assert _files(out) == before  # nothing written: `--config <output>/pretrain.yaml` replays
+    assert ckpt.latest_tag(str(out / "checkpoints")) == "global_step4"  # the checkpoint's run
 
 
 def test_an_error_before_the_first_step_writes_no_checkpoint(
@@ -197,3 +219,61 @@ def _step_counts(value: Any) -> set[int]:
         for item in value:
             found |= _step_counts(item)
     return found
+
+
+def _wait(what: str, until: Any, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not until():
+        assert proc.poll() is None, f"the first run ended ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_second_run_on_one_output_is_refused_and_a_dead_runs_lease_taken_over(
+    pretrain_shards: Path,
+    run_to_8: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Run A (a child) is joined by run B on its output twice: while A starts, and once A
+    saved step 4 (A is stopped there, before step 6). B is refused both times with one line
+    naming A (exit 2), and touches nothing. Then A is killed, leaving its lease behind: the
+    requeued run takes it over and resumes A's checkpoint exactly, steps 1-8 equal to the
+    same run alone."""
+    out, uri = tmp_path / "run", sqlite_uri(tmp_path / "mlflow.db")
+    args = ["pretrain", *_overrides(pretrain_shards, out, uri, steps=8, **_kw())]
+    env = {**_env(), FAULT_SIGNAL: "STOP:6"}  # A stops itself before step 6
+    first = subprocess.Popen([sys.executable, "-m", "bertpipe.app.cli", *args], env=env)
+    try:
+        _wait("lease", (out / LEASE_NAME).exists, first)
+        refused = run_cli(args, _env())
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        line = refused.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"bertpipe: error: {out} is in use by `bertpipe pretrain` (pid ")
+        assert f"pid {first.pid} on " in line
+        _wait("stop before step 6", lambda: _stopped(first.pid), first)
+        before = _files(out)
+        assert ckpt.latest_tag(str(out / "checkpoints")) == "global_step4"
+        again = run_cli(args, _env())
+        assert again.returncode == 2 and f"pid {first.pid} on " in again.stderr
+        assert _files(out) == before  # the refused run wrote nothing
+    finally:
+        first.kill()
+        first.wait()
+    seen = _spy_losses(monkeypatch)
+    with caplog.at_level(logging.WARNING, "bertpipe.lease"):
+        run_pretraining(_cfg(pretrain_shards, out, uri, steps=8, **_kw()))
+    assert f"taking over the lease of `bertpipe pretrain` (pid {first.pid}" in caplog.text
+    assert not (out / LEASE_NAME).exists()  # released at the end
+    assert {s: seen[s] for s in range(5, 9)} == {s: run_to_8["losses"][s] for s in range(5, 9)}
+    state, _ = ckpt.read_state(str(out / "checkpoints"), "global_step8", 0)
+    import mlflow
+
+    history = mlflow.MlflowClient(uri).get_metric_history(state.mlflow_run_id, "train/loss")
+    first_run = {m.step: m.value for m in history if m.step <= 4}
+    assert first_run == {s: run_to_8["losses"][s] for s in range(1, 5)}  # A, undisturbed
