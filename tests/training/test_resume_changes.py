@@ -22,10 +22,10 @@ import torch
 
 from bertpipe import tracking
 from bertpipe.config import ConfigError
+from bertpipe.lease import LEASE_NAME
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.faults import Faults
 from bertpipe.training.trainer import run_pretraining
-from bertpipe.lease import LEASE_NAME
 from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 from tests.faultenv import FAULT_SIGNAL

@@ -43,7 +43,8 @@ def folder(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def _holder(folder: str, timeout: float, other_host: bool = False) -> subprocess.Popen[str]:
     command = [sys.executable, "-c", HOLD, folder, str(timeout)]
     if other_host:
-        command = ["unshare", "--uts", "sh", "-c", 'hostname other-host && exec "$@"', "-", *command]
+        rename = 'hostname other-host && exec "$@"'
+        command = ["unshare", "--uts", "sh", "-c", rename, "-", *command]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
