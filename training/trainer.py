@@ -210,7 +210,9 @@ class Trainer:
             f"{tracking.TAG_DATA_CHECKSUM}.{p.name}": d.sha256
             for p, d in zip(self.cfg.phases, self.data, strict=True)
         }
-        tags[tracking.TAG_TOKENIZER] = self.data[0].manifest["tokenizer_sha256"]
+        tokenizer_sha256 = self.data[0].manifest.get("tokenizer_sha256")
+        if tokenizer_sha256:  # every manifest bertpipe writes has it
+            tags[tracking.TAG_TOKENIZER] = tokenizer_sha256
         resumed = self.progress.run_id
         with tracking.start_run(
             self.cfg.tracking,
@@ -224,8 +226,8 @@ class Trainer:
         ) as run:
             if run is not None:
                 run_id = self.progress.run_id = run.info.run_id
-                tokenizer = tracking.find_model(
-                    run_id, tracking.TAG_TOKENIZER, tags[tracking.TAG_TOKENIZER]
+                tokenizer = tokenizer_sha256 and tracking.find_model(
+                    run_id, tracking.TAG_TOKENIZER, tokenizer_sha256
                 )
                 tracking.log_inputs(
                     [self._dataset(p, d) for p, d in zip(self.cfg.phases, self.data, strict=True)],

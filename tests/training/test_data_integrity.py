@@ -264,6 +264,47 @@ def test_cli_exits_75_when_storage_stays_unreadable(
     assert len(lines) == 1 and "manifest.json" in lines[0] and "2 attempt" in lines[0], err
 
 
+def _pretrain_args(tmp_path: Path, folder: Path) -> list[str]:
+    return [
+        "pretrain",
+        f"output={tmp_path / 'run'}",
+        f"phases=[{{name: phase1, data: {folder}, max_steps: 2, micro_batch_size: 2,"
+        " global_batch_size: 2}]",
+        "model.preset=tiny",
+        "model.max_position_embeddings=64",
+        "precision=fp32",
+        "data.num_workers=0",
+        "data.read_retries=3",
+        "data.read_retry_delay=0.2",
+        "tracking.enabled=false",
+    ]
+
+
+def test_a_shard_missing_at_start_exits_75_and_one_back_in_time_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A requeued run that meets the outage which ended the last one (a listed shard the
+    folder lacks) retries, then exits 75 with one line naming the shard: the scheduler
+    requeues it again (exit 2 would fail the Job). The shard back before the retries end:
+    the run trains."""
+    folder = local_phase(tmp_path)
+    shard = folder / "train-00001.tar"
+    kept = shard.read_bytes()
+    shard.unlink()
+    status = main(_pretrain_args(tmp_path, folder))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("bertpipe: error:")]
+    assert status == 75 and len(lines) == 1, err
+    assert f"{shard} does not exist" in lines[0] and "after 4 attempt(s)" in lines[0]
+    restore = threading.Timer(0.4, shard.write_bytes, [kept])
+    restore.start()
+    try:
+        assert main(_pretrain_args(tmp_path, folder)) == 0, capsys.readouterr().err[-3000:]
+    finally:
+        restore.join()
+    assert ckpt.latest_tag(str(tmp_path / "run" / "checkpoints")) == "global_step2"
+
+
 # ---------------------------------------------------------------- checksums
 
 

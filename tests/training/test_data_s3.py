@@ -156,3 +156,29 @@ def test_a_prefetch_that_gave_up_is_read_again_when_its_shard_is_needed(
     monkeypatch.setattr(data_module, "_fetch_shard", fetch)
     assert_same(take(PretrainingData(str(folder), micro_batch_size=3, seed=4), 40), want)
     assert len(failed) == len(SHARDS) - 1
+
+
+def test_a_shard_missing_from_the_bucket_at_start_is_retried_then_transient(
+    s3: Any, tmp_path: Path
+) -> None:
+    """The manifest's shard list checked against the bucket: a missing object is an outage
+    (retried, then exit 75 naming it), and one back before the retries end is found (the
+    listing is not served from s3fs's cache)."""
+    from bertpipe.errors import TransientError
+    from bertpipe.training.config import PhaseSpec
+    from bertpipe.training.manifest import read_phase_data
+
+    _, remote = _phases(s3, tmp_path)
+    shard = fsio.join(remote, "train-00002.tar")
+    with fsio.open_url(shard, "rb") as f:
+        kept = f.read()
+    fsio.remove([shard])
+    with pytest.raises(TransientError, match=r"train-00002\.tar does not exist.*3 attempt"):
+        read_phase_data(PhaseSpec(data=remote), "phases[0]", fsio.RetryPolicy(2, 0.05))
+    restore = threading.Timer(0.3, fsio.atomic_write_bytes, [shard, kept])
+    restore.start()
+    try:
+        data = read_phase_data(PhaseSpec(data=remote), "phases[0]", fsio.RetryPolicy(4, 0.2))
+    finally:
+        restore.join()
+    assert len(data.parsed.splits["train"]) == len(SHARDS)
