@@ -268,7 +268,13 @@ class CheckpointManager:
         those at the error). One process only: with several ranks the others may be inside
         a collective of the step, and a save would hang. Never raises."""
         tag = f"global_step{self.progress.global_step}"
-        latest = ckpt.latest_tag(self.folder)
+        try:  # the storage may be what failed: its error must not replace the first one
+            latest = ckpt.latest_tag(self.folder)
+        except Exception as exc:
+            log.error(
+                "%s: no checkpoint after the error (cannot read %s: %s)", name, self.folder, exc
+            )
+            return
         if not ran or latest == tag:
             log.error("%s: no step ran since %s: nothing new to save", name, latest or "the start")
             return

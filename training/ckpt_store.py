@@ -49,8 +49,9 @@ from pathlib import Path
 from typing import Any
 
 from bertpipe import fsio
-from bertpipe.errors import BertpipeError, TransientError
+from bertpipe.errors import BertpipeError, StorageAccessError, TransientError
 from bertpipe.staging import is_remote
+from bertpipe.storage_check import describe, is_permanent
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,12 @@ class RemoteCheckpoints:
         if upload.error is not None:
             if isinstance(upload.error, BertpipeError):
                 raise upload.error
+            refused = describe(upload.error, fsio.redact(f"{self.url}/{upload.tag}"))
+            if refused is not None and is_permanent(upload.error):  # a 403: retrying cannot fix
+                raise StorageAccessError(
+                    f"checkpoint {upload.tag} was not uploaded: {refused}; `latest` still names "
+                    "the previous complete checkpoint"
+                ) from upload.error
             raise CheckpointUploadError(
                 f"checkpoint {upload.tag} was not uploaded to {self.url}: "
                 f"{type(upload.error).__name__}: {_first_line(upload.error)}; `latest` still "

@@ -144,3 +144,63 @@ def test_a_rank_that_never_uploads_is_not_published(s3) -> None:
     assert store.read_text("latest") is None
     fs.pipe(f"{s3.bucket}/ck/global_step5/mp_rank_00_model_states.pt", b"ab")  # truncated
     assert "has 2 bytes, not 3" in store.missing("global_step5")
+
+
+def test_credentials_revoked_mid_run_give_one_line_naming_the_url(
+    s3, pretrain_shards: Path, tmp_path: Path
+) -> None:
+    """The run's access key is deleted once its first checkpoint is published: the next
+    upload is refused (403). The line is that refusal's, naming the checkpoint URL (the
+    save after the error meets the same 403 and must not replace it); no secret printed."""
+    import threading
+    import time
+
+    import boto3
+    import s3fs
+
+    from tests.cli_runner import run_cli
+
+    user = s3.server.user_env(f"revoked-{tmp_path.name[-12:]}", ["s3:*"])
+    checkpoints = f"{s3.bucket}/revoked/checkpoints"
+    cfg = _config(tmp_path, str(pretrain_shards), checkpoints, steps=8)
+    admin = boto3.client(
+        "s3",
+        endpoint_url=s3.env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"],
+        region_name=s3.env["AWS_DEFAULT_REGION"],
+    )
+    iam = boto3.client(
+        "iam",
+        endpoint_url=s3.env["AWS_ENDPOINT_URL"],
+        aws_access_key_id=s3.env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3.env["AWS_SECRET_ACCESS_KEY"],
+        region_name=s3.env["AWS_DEFAULT_REGION"],
+    )
+    bucket, _, prefix = checkpoints.removeprefix("s3://").partition("/")
+    revoked = threading.Event()
+
+    def revoke() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            listed = admin.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/latest")
+            if listed.get("KeyCount"):
+                name = f"revoked-{tmp_path.name[-12:]}"
+                iam.delete_access_key(UserName=name, AccessKeyId=user["AWS_ACCESS_KEY_ID"])
+                revoked.set()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=revoke, daemon=True)
+    watcher.start()
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        done = run_cli(["pretrain", "--config", str(cfg)], {**_env(), **user})
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        watcher.join(timeout=5)
+    assert revoked.is_set()
+    lines = [line for line in done.stderr.splitlines() if line.startswith("bertpipe: error:")]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert checkpoints in lines[0] and "refused the credentials" in lines[0], lines[0]
+    assert user["AWS_SECRET_ACCESS_KEY"] not in done.stderr + done.stdout
