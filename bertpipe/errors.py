@@ -3,15 +3,18 @@
 The command line prints these as one line (``bertpipe: error: ...``) and exits with status 2;
 anything else is a bug and keeps its traceback. :class:`TransientError` (storage that stayed
 unreadable after the retries) exits with 75 (``EX_TEMPFAIL``) instead: rerunning the same
-command may succeed, so schedulers retry it (docs/training.md, "Exit codes").
+command may succeed, so schedulers retry it (docs/training.md, "Exit codes");
+:class:`DiskFullError` (a checkpoint that does not fit) with 74 (``EX_IOERR``).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "DISK_FULL_EXIT_CODE",
     "TEMPFAIL_EXIT_CODE",
     "TERMINATED_EXIT_CODE",
     "BertpipeError",
+    "DiskFullError",
     "StorageAccessError",
     "Terminated",
     "TransientError",
@@ -19,6 +22,9 @@ __all__ = [
 
 TEMPFAIL_EXIT_CODE = 75
 """``EX_TEMPFAIL`` of sysexits.h: a temporary failure, the same command may succeed later."""
+DISK_FULL_EXIT_CODE = 74
+"""``EX_IOERR`` of sysexits.h: the disk is full (a checkpoint did not fit). Not retried by the
+schedulers: a requeue would meet the same full volume."""
 TERMINATED_EXIT_CODE = 143
 """128 + SIGTERM: what a shell and the schedulers report for a process stopped by SIGTERM."""
 
@@ -32,6 +38,12 @@ class TransientError(BertpipeError):
     after the configured retries; exit status 75, the job is retried (not bad input)."""
 
     exit_code = TEMPFAIL_EXIT_CODE
+
+
+class DiskFullError(BertpipeError):
+    """A checkpoint does not fit on its file system (exit status 74): free space, rerun."""
+
+    exit_code = DISK_FULL_EXIT_CODE
 
 
 class StorageAccessError(BertpipeError):

@@ -20,11 +20,9 @@ states base64-encoded): nothing of ours is pickled.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import logging
-import random
 import shutil
 import uuid
 from collections.abc import Iterator
@@ -32,14 +30,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
 from bertpipe import fsio
 from bertpipe.errors import BertpipeError
-from bertpipe.training import ckpt_store
+from bertpipe.training import ckpt_store, disk_space
 from bertpipe.training.faults import NO_FAULTS, Faults
+from bertpipe.training.rng_state import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
@@ -153,54 +150,6 @@ def check_data(
     return changed
 
 
-def capture_rng() -> dict[str, Any]:
-    """This process's RNG states as JSON-safe values."""
-    state: dict[str, Any] = {
-        "python": _jsonable(random.getstate()),
-        "numpy": _numpy_state(),
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = [
-            base64.b64encode(s.numpy().tobytes()).decode("ascii")
-            for s in torch.cuda.get_rng_state_all()
-        ]
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(_tupled(state["python"]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(
-        torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8)
-    )
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(
-            [
-                torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
-                for s in state["cuda"]
-            ]
-        )
-
-
-def _numpy_state() -> list[Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    return [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple | list):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _tupled(value: Any) -> Any:
-    if isinstance(value, list):
-        return tuple(_tupled(v) for v in value)
-    return value
-
-
 def _rank_file(rank: int) -> str:
     return f"bertpipe_rank{rank:05d}.json"
 
@@ -250,29 +199,35 @@ def save(
     )
 
     remote = ckpt_store.remote_store(folder) if ckpt_store.is_remote(folder) else None
+    resume_from = latest_tag(folder)
     if remote is not None:
         remote.wait()  # one checkpoint in flight: the previous one is on the store first
         local = remote.staging(rank)
+        need = disk_space.folder_bytes(local)  # this rank's last save (uploaded by now)
         shutil.rmtree(local, ignore_errors=True)  # nothing in flight: leftovers of killed saves
         (local / tag).mkdir(parents=True, exist_ok=True)
         attempt = _attempt_id()
     else:
         local = _local_path(folder)
+        need = disk_space.folder_bytes(local / resume_from) if resume_from else 0
     # what DeepSpeed's ds_to_universal needs to convert the checkpoint for another world size
     client_state = {
         UNIVERSAL_CHECKPOINT_INFO: {
             UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE
         }
     }
-    engine.save_checkpoint(str(local), tag=tag, client_state=client_state, save_latest=False)
-    faults.in_checkpoint_save(tag)
-    rank_state = {"rng": capture_rng(), "data": state.data, "samples_seen": state.samples_seen}
-    if rank_extra:
-        rank_state["loop"] = rank_extra
-    (local / tag).mkdir(parents=True, exist_ok=True)
-    fsio.atomic_write_text(str(local / tag / _rank_file(rank)), json.dumps(rank_state))
-    if rank == 0:
-        fsio.atomic_write_text(str(local / tag / STATE_FILE), json.dumps(asdict(state), indent=1))
+    where = local if remote is None else local / tag
+    with disk_space.room_for(where, local / tag, need, resume_from, engine):
+        engine.save_checkpoint(str(local), tag=tag, client_state=client_state, save_latest=False)
+        faults.in_checkpoint_save(tag)
+        rank_state = {"rng": capture_rng(), "data": state.data, "samples_seen": state.samples_seen}
+        if rank_extra:
+            rank_state["loop"] = rank_extra
+        (local / tag).mkdir(parents=True, exist_ok=True)
+        fsio.atomic_write_text(str(local / tag / _rank_file(rank)), json.dumps(rank_state))
+        if rank == 0:
+            state_text = json.dumps(asdict(state), indent=1)
+            fsio.atomic_write_text(str(local / tag / STATE_FILE), state_text)
     if remote is None:
         dist.barrier()
         if rank == 0:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from bertpipe.training import checkpoint as ckpt
+from bertpipe.training import disk_space
 from bertpipe.training.config import CheckpointConfig
 from bertpipe.training.engine import DistInfo, EngineSpec
 from bertpipe.training.faults import NO_FAULTS, Faults
@@ -161,6 +162,7 @@ class CheckpointManager:
         check_changes(started, fixed, self.settings.allow_changes, resume.tag)
         if self.info.is_main:
             log_changes(changes, resume.tag)
+        disk_space.check_room(self.folder, resume.tag)  # not after training up to the next save
         self.progress.global_step = state.global_step
         self.progress.samples_seen = state.samples_seen
         self.progress.run_id = state.mlflow_run_id

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from bertpipe.errors import DiskFullError
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.cadence import Cadence, PreemptedError, StopFlag
 from bertpipe.training.ckpt_manager import CheckpointManager, Position, StageState
@@ -151,7 +152,7 @@ def run_loop(
             if due.stop and not ended:
                 raise PreemptedError(f"stopped by SIGTERM at {where}")
             stopped = due.stop
-    except (PreemptedError, NonFiniteError):
+    except (PreemptedError, NonFiniteError, DiskFullError):  # saved, or nothing to save
         raise
     except Exception:
         ended = done.step >= stage.max_steps

@@ -110,7 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         exc = shown or exc
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"bertpipe: error: {message}", file=sys.stderr)
-        return 75 if isinstance(exc, TransientError) else 2  # EX_TEMPFAIL: retry the job
+        if isinstance(exc, TransientError):
+            return 75  # EX_TEMPFAIL: retry the job
+        return int(getattr(exc, "exit_code", 2))  # 74: a full disk
     except Terminated:
         print("bertpipe: terminated (SIGTERM)", file=sys.stderr)
         return TERMINATED_EXIT_CODE

@@ -7,9 +7,11 @@ the middle of a phase (``tests/training/test_peers.py``)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -81,17 +83,61 @@ def test_killed_while_writing_a_checkpoint(pretrain_shards: Path, tmp_path: Path
     _losses_twice_equal(uri, folder, first_logged=4)  # steps 5-8 ran twice
 
 
+@contextlib.contextmanager
+def _small_disk(path: Path, size_mb: int) -> Iterator[Callable[[int], None]]:
+    """A tmpfs of ``size_mb`` MB at ``path`` (root's ``mount``; the test is skipped where it
+    cannot be made); yields a function that resizes it."""
+    path.mkdir(parents=True)
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size_mb}m", "tmpfs", str(path)]
+    made = subprocess.run(mount, capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip()}")
+
+    def resize(mb: int) -> None:
+        remount = ["mount", "-o", f"remount,size={mb}m", str(path)]
+        subprocess.run(remount, check=True)
+
+    try:
+        yield resize
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+CHECKPOINT_MB = 8.0
+"""A checkpoint of the tiny model of ``_setup`` (its files in ``global_step4``)."""
+
+
 def test_disk_full_during_a_save(pretrain_shards: Path, tmp_path: Path) -> None:
+    """Checkpoints on a real small file system (tmpfs). Too small for the first one:
+    torch's writer fails in the middle (its own RuntimeError, no errno), reported as one
+    line naming the folder, the space free and exit 74. Room for one: the second one is
+    refused before a byte is written (its size is the first's). Space freed: the same
+    command resumes from the first bit for bit."""
     cfg, uri = _setup(pretrain_shards, tmp_path)
+    disk = tmp_path / "disk"
+    folder = disk / "checkpoints"
     cmd = [sys.executable, "-m", "bertpipe.app.cli", "pretrain", "--config", str(cfg),
-           "only_phase=phase1"]  # fmt: skip
-    full = _run_here(cmd, fault="enospc:global_step8")
-    assert full.returncode != 0
-    assert "No space left on device" in full.stderr
-    folder = tmp_path / "run" / "checkpoints"
-    assert ckpt.latest_tag(str(folder)) == "global_step4"
-    state, _ = ckpt.read_state(str(folder), "global_step4", 0)
-    assert state.global_step == 4  # the last complete checkpoint is intact
-    again = _run_here(cmd)  # space freed: the same command continues
-    assert again.returncode == 0, again.stderr[-2000:]
-    _losses_twice_equal(uri, folder, first_logged=4)
+           "only_phase=phase1", f"checkpoint.dir={folder}"]  # fmt: skip
+    with _small_disk(disk, int(CHECKPOINT_MB // 2)) as resize:
+        full = _run_here(cmd)
+        lines = [line for line in full.stderr.splitlines() if line.startswith("bertpipe: error:")]
+        assert full.returncode == 74 and len(lines) == 1, full.stderr[-3000:]
+        assert f"checkpoint global_step4 does not fit in {folder}" in lines[0]
+        assert "no space left on device" in lines[0] and "free of 4.0 MB" in lines[0]
+        assert not (folder / "global_step4").exists()  # its partial files removed
+
+        resize(int(CHECKPOINT_MB * 1.6))
+        full = _run_here(cmd)
+        lines = [line for line in full.stderr.splitlines() if line.startswith("bertpipe: error:")]
+        assert full.returncode == 74 and len(lines) == 1, full.stderr[-3000:]
+        assert f"checkpoint global_step8 does not fit in {folder}: needs about" in lines[0]
+        assert "it resumes from global_step4" in lines[0]
+        assert ckpt.latest_tag(str(folder)) == "global_step4"
+        assert not (folder / "global_step8").exists()  # refused before writing
+        state, _ = ckpt.read_state(str(folder), "global_step4", 0)
+        assert state.global_step == 4  # the last complete checkpoint is intact
+
+        resize(64)  # space freed: the same command continues
+        again = _run_here(cmd)
+        assert again.returncode == 0, again.stderr[-2000:]
+        _losses_twice_equal(uri, folder, first_logged=4)
