@@ -268,9 +268,10 @@ class DistributedConfig:
     peer_timeout_s: float = 120.0
     """A rank whose heartbeat has not moved for this long (its process or host is gone, or
     its link down) ends the job: every other rank prints one line naming it and exits with
-    status 75, for the scheduler to restart the job from ``latest``. Well under the process
-    group's 30-minute timeout; long enough for a busy host's thread to beat (it beats every
-    sixth of this). 0: no heartbeat (only the process group's timeout)."""
+    status 75, for the scheduler to restart the job from ``latest``; it is named within
+    about 1.2 times this (the heartbeat beats every twentieth of it and gives a store
+    request as long to answer). A link down for less than this is survived. Well under the
+    process group's 30-minute timeout. 0: no heartbeat (only the process group's timeout)."""
 
     def __post_init__(self) -> None:
         if self.peer_timeout_s < 0:

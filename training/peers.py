@@ -9,18 +9,23 @@ process-group timeout is no answer: it bounds every collective, including the ba
 which the other ranks wait while rank 0 writes or uploads a checkpoint for minutes.
 
 So each rank runs a **heartbeat** (:class:`PeerMonitor`): a thread that every
-``peer_timeout_s / 6`` increments its key in the job's rendezvous store (the TCPStore at
+``peer_timeout_s / 20`` increments its key in the job's rendezvous store (the TCPStore at
 ``MASTER_ADDR:MASTER_PORT`` that every launcher sets up; a separate client connection) and
 reads everyone else's. Python threads keep running while the training thread is inside a
 collective or a long save, so a rank's heartbeat stops only when its process or its host
-does. A peer whose counter has not moved for ``peer_timeout_s`` (judged on this host's own
-monotonic clock: no clock sync needed), or a store that no longer answers (rank 0's host
-is the one lost), is a lost peer: the rank logs one line naming the lost rank, its host and
-address, and exits at once with status 75 (``EX_TEMPFAIL``), which SLURM requeue
-(``--requeue`` with the sbatch's exit-code handling), a k8s Job's ``podFailurePolicy`` and
-torchrun ``--max-restarts`` treat as "start it again". The restart resumes from ``latest``;
-a checkpoint that was being written is never published (``latest`` moves only after every
-rank finished it).
+does. A peer whose counter has not moved for ``peer_timeout_s`` plus the heartbeat's own
+slack (:attr:`PeerMonitor.limit_s`: two beats and two store request timeouts, about ``1.2 x
+peer_timeout_s``; judged on this host's own monotonic clock: no clock sync needed), or a
+store that has not answered for as long (rank 0's host is the one lost), is a lost peer. A
+link that goes down for less than ``peer_timeout_s`` is survived: a store request that timed
+out is abandoned with its connection, and the next one goes out on a new connection as soon
+as the link is back (not after TCP's retransmission backoff of the old one), so that the
+silence the others see stays under the limit. A lost peer: the rank logs one line naming the
+lost rank, its host and address, and exits at once with status 75 (``EX_TEMPFAIL``), which
+SLURM requeue (``--requeue`` with the sbatch's exit-code handling), a k8s Job's
+``podFailurePolicy`` and torchrun ``--max-restarts`` treat as "start it again". The restart
+resumes from ``latest``; a checkpoint that was being written is never published (``latest``
+moves only after every rank finished it).
 
 A collective that fails at once because a peer's connections closed is reported the same way
 (:func:`lost_peer_error`): the trainer asks the monitor which peer is gone, waiting at most
@@ -39,6 +44,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from bertpipe.errors import TransientError
 
@@ -98,7 +104,12 @@ class PeerMonitor:
         self.timeout_s = timeout_s
         self.master = (master_addr, master_port)
         self.exit = exit
-        self.interval = max(0.2, timeout_s / 6)
+        self.interval = max(0.2, timeout_s / 20)
+        self.op_timeout = max(0.5, self.interval)
+        # a silence of timeout_s is seen up to a beat late, and a store request lost with a
+        # link that went down takes up to two request timeouts to come back (the request,
+        # then a new connection): a link back within timeout_s is never a lost peer
+        self.limit_s = timeout_s + 2 * (self.interval + self.op_timeout)
         self.lost: Lost | None = None
         self.found = threading.Event()
         self._stop = threading.Event()
@@ -119,17 +130,8 @@ class PeerMonitor:
         return monitor
 
     def start(self) -> None:
-        import torch.distributed as dist
-
         addr, port = self.master
-        # a client of its own: the process group's connection stays the trainer's
-        self._store = dist.TCPStore(
-            addr,
-            port,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=max(1.0, self.timeout_s / 2)),
-            wait_for_workers=False,
-        )
+        self._store = self._connect(max(1.0, self.timeout_s / 2))
         me = f"{socket.gethostname()} ({_address_towards(addr, port)})"
         self._store.set(f"{PREFIX}/host/{self.rank}", me)
         self._store.set(f"{PREFIX}/beat/{self.rank}", "0")
@@ -152,31 +154,76 @@ class PeerMonitor:
                 return f"the host of rank {rank}"
         return self._hosts[rank]
 
+    def _connect(self, timeout: float) -> Any:
+        """A client of the job's store of its own (the process group's connection stays the
+        trainer's); its requests give up after :attr:`op_timeout`."""
+        import torch.distributed as dist
+
+        addr, port = self.master
+        store = dist.TCPStore(
+            addr,
+            port,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        store.set_timeout(datetime.timedelta(seconds=self.op_timeout))
+        return store
+
     def _run(self) -> None:
         beat = 0
         peers = [r for r in range(self.world_size) if r != self.rank]
         keys = [f"{PREFIX}/beat/{r}" for r in peers]
         last: dict[int, bytes] = {}
         changed = dict.fromkeys(peers, time.monotonic())
+        contact = time.monotonic()  # the last request the store answered
+        store: Any = self._store
+        out_since: float | None = None
         while not self._stop.wait(self.interval):
-            now = time.monotonic()
             try:
+                if store is None:
+                    store = self._store = self._connect(self.op_timeout)
                 beat += 1
-                self._store.set(f"{PREFIX}/beat/{self.rank}", str(beat))
-                values = self._store.multi_get(keys)
+                store.set(f"{PREFIX}/beat/{self.rank}", str(beat))
+                values = store.multi_get(keys)
             except Exception as exc:  # the store lives with rank 0 (or the launcher's agent)
                 if self._stop.is_set():
                     return
+                # a request that timed out leaves its connection out of step: a new one, whose
+                # first packets do not wait out TCP's retransmission backoff of the old one
+                store = None
+                now = time.monotonic()
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                self._verdict(
-                    Lost(
-                        0,
-                        self.host(0) if 0 in self._hosts else f"{self.master[0]}",
-                        f"the job's store at {self.master[0]}:{self.master[1]} does not "
-                        f"answer ({first[:120]})",
+                if now - contact > self.limit_s:
+                    self._verdict(
+                        Lost(
+                            0,
+                            self.host(0) if 0 in self._hosts else f"{self.master[0]}",
+                            f"the job's store at {self.master[0]}:{self.master[1]} has not "
+                            f"answered for {now - contact:.0f} s ({first[:120]})",
+                        )
                     )
+                    return
+                if out_since is None:
+                    out_since = contact
+                    log.warning(
+                        "rank %d: the job's store at %s:%d does not answer (%s): retrying for "
+                        "up to %.0f s",
+                        self.rank,
+                        *self.master,
+                        first[:120],
+                        self.limit_s,
+                    )
+                continue
+            now = time.monotonic()
+            if out_since is not None:
+                log.warning(
+                    "rank %d: the job's store answers again after %.1f s",
+                    self.rank,
+                    now - out_since,
                 )
-                return
+                out_since = None
+            contact = now
             for rank, value in zip(peers, values, strict=True):
                 if value == DONE.encode():  # finished its run: not watched any more
                     changed[rank] = now
@@ -185,7 +232,7 @@ class PeerMonitor:
                     changed[rank] = now
                     if rank not in self._hosts:
                         self.host(rank)
-                elif now - changed[rank] > self.timeout_s:
+                elif now - changed[rank] > self.limit_s:
                     self._verdict(
                         Lost(rank, self.host(rank), f"no heartbeat for {now - changed[rank]:.0f} s")
                     )

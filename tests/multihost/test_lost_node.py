@@ -9,6 +9,7 @@ checkpoint folder is shared (one machine), as a shared filesystem or object stor
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -44,7 +45,9 @@ def _config(shards: Path, out: Path) -> Path:
     return path
 
 
-def _start(hosts: TestHosts, cfg: Path, out: Path, tag: str) -> dict[int, subprocess.Popen]:  # type: ignore[type-arg]
+def _start(
+    hosts: TestHosts, cfg: Path, out: Path, tag: str, *extra: str
+) -> dict[int, subprocess.Popen]:  # type: ignore[type-arg]
     hostfile = out / "hostfile"
     hostfile.write_text("".join(f"{n} slots=1\n" for n in host_names(hosts)))
     port = str(free_port())
@@ -54,7 +57,7 @@ def _start(hosts: TestHosts, cfg: Path, out: Path, tag: str) -> dict[int, subpro
                "--node_rank", str(i), "--num_nodes", "2", "--num_gpus", "1",
                "--master_addr", MASTER, "--master_port", port,
                str(BIN / "bertpipe"), "pretrain", "--config", str(cfg), "only_phase=phase1",
-               "zero.stage=3", f"distributed.peer_timeout_s={PEER_TIMEOUT_S}"]  # fmt: skip
+               "zero.stage=3", f"distributed.peer_timeout_s={PEER_TIMEOUT_S}", *extra]  # fmt: skip
         procs[i] = hosts.popen(i, cmd, env=_host_env(), log=out / f"{tag}-host{i}.log", cwd=out)
     return procs
 
@@ -90,6 +93,7 @@ def test_lost_node_exits_75_and_zero3_resumes_and_exports(
     assert "(192.0.2.2)" in line and f"distributed.peer_timeout_s={PEER_TIMEOUT_S}" in line
     assert ckpt.latest_tag(str(folder)) == "global_step4"  # nothing half-saved is used
 
+    shutil.copytree(folder, tmp_path / "flap" / "checkpoints")  # latest: global_step4
     again = _start(hosts, cfg, tmp_path, "again")
     for i, proc in again.items():
         assert proc.wait(timeout=TIMEOUT_S) == 0, (tmp_path / f"again-host{i}.log").read_text()[
@@ -98,6 +102,27 @@ def test_lost_node_exits_75_and_zero3_resumes_and_exports(
     names = {p.name for p in (folder / "global_step8").iterdir()}
     assert {f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in (0, 1)} <= names
     _losses_twice_equal(sqlite_uri(tmp_path / "mlflow.db"), folder, first_logged=0, last_step=8)
+
+    # the same resume, host 2's link down for 0.6 x peer_timeout_s in the middle: survived,
+    # steps 5-8 bit-equal to the resume above (both log into the checkpoint's MLflow run)
+    flap = _start(hosts, cfg, tmp_path, "flap", f"output={tmp_path / 'flap'}")
+    log_flap = tmp_path / "flap-host0.log"
+    deadline = time.monotonic() + TIMEOUT_S
+    while "step 5/8" not in (log_flap.read_text() if log_flap.exists() else ""):
+        assert all(p.poll() is None for p in flap.values()), log_flap.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the resumed run did not reach step 5"
+        time.sleep(0.05)
+    hosts.link_down(1)
+    time.sleep(0.6 * PEER_TIMEOUT_S)
+    hosts.link_up(1)
+    for i, proc in flap.items():
+        text = (tmp_path / f"flap-host{i}.log").read_text()
+        assert proc.wait(timeout=TIMEOUT_S) == 0, text[-3000:]
+    host2 = (tmp_path / "flap-host1.log").read_text()
+    assert "the job's store at" in host2 and "answers again after" in host2  # it was cut off
+    _losses_twice_equal(
+        sqlite_uri(tmp_path / "mlflow.db"), tmp_path / "flap" / "checkpoints", 4, last_step=8
+    )
 
     # the same training at stage 0 (2 ranks on one host): export gives the same logits
     zero0 = tmp_path / "zero0"

@@ -54,6 +54,6 @@ def test_a_store_that_stops_answering_is_rank_0_lost() -> None:
         del store  # rank 0's process (and the store it hosts) is gone
         assert monitor.found.wait(10)
         assert monitor.lost is not None and monitor.lost.rank == 0
-        assert "does not answer" in monitor.lost.why
+        assert "has not answered for" in monitor.lost.why
     finally:
         monitor.stop()
