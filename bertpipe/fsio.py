@@ -37,10 +37,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import itertools
 import logging
 import os
 import posixpath
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -359,6 +361,78 @@ class RetryPolicy:
             wait *= 2
 
 
+STALL_WARN_ENV = "BERTPIPE_STORAGE_STALL_WARN_S"
+"""Seconds a storage call may take before it is reported (default 30; 0: never)."""
+
+
+class _StallWatch:
+    """One daemon thread for the process: a storage call (:func:`stall_watch`) still
+    running after ``BERTPIPE_STORAGE_STALL_WARN_S`` seconds logs one warning naming it and
+    how long it has waited, and again every as many seconds, until it returns. A server
+    that stops answering (SIGSTOP, a hung gateway) is retried patiently by botocore and
+    s3fs; without this the run would print nothing meanwhile."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: dict[int, list[Any]] = {}
+        self.thread: threading.Thread | None = None
+        self.ids = itertools.count()
+
+    def add(self, what: str, every: float) -> int:
+        key = next(self.ids)
+        now = time.monotonic()
+        with self.lock:
+            self.calls[key] = [what, now, now + every, every]
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._run, name="bertpipe-stall", daemon=True)
+                self.thread.start()
+        return key
+
+    def remove(self, key: int) -> None:
+        with self.lock:
+            call = self.calls.pop(key, None)
+        if call is not None and time.monotonic() >= call[1] + call[3]:
+            log.warning("%s: done after %.0f s", call[0], time.monotonic() - call[1])
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            now = time.monotonic()
+            with self.lock:
+                due = [c for c in self.calls.values() if now >= c[2]]
+                for call in due:
+                    call[2] = now + call[3]
+            for what, started, _, _ in due:
+                log.warning(
+                    "%s: still waiting after %.0f s (the storage is slow or does not answer; "
+                    "it is retried, set %s to change when this is said)",
+                    what,
+                    now - started,
+                    STALL_WARN_ENV,
+                )
+
+
+_STALLS = _StallWatch()
+
+
+@contextlib.contextmanager
+def stall_watch(what: str) -> Iterator[None]:
+    """The block (one storage call, ``what`` naming it and its URL) reported while it
+    runs longer than ``BERTPIPE_STORAGE_STALL_WARN_S`` (see :class:`_StallWatch`)."""
+    try:
+        every = float(os.environ.get(STALL_WARN_ENV) or 30.0)
+    except ValueError:
+        every = 30.0
+    if every <= 0:
+        yield
+        return
+    key = _STALLS.add(redact(what), every)
+    try:
+        yield
+    finally:
+        _STALLS.remove(key)
+
+
 def retried(
     fn: Callable[[], T],
     what: str,
@@ -373,7 +447,8 @@ def retried(
     attempt = 1
     while True:
         try:
-            return fn()
+            with stall_watch(what):
+                return fn()
         except Exception as exc:
             if not transient(exc):
                 raise

@@ -172,3 +172,39 @@ def test_a_stall_beyond_the_read_timeout_is_retried(s3, s3_conf, proxy) -> None:
     assert proxy.served == {"stall": 1}
     assert 1 <= elapsed < 5  # abandoned after the 1 s timeout, not waited out
     assert sum(m == "GET" for m, _ in proxy.requests) == 2
+
+
+def test_a_storage_call_stalled_by_the_server_is_reported_while_it_waits(
+    s3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The S3 server stopped (SIGSTOP) during an upload for 3.5 s, with the report threshold
+    at 1 s: the upload waits and succeeds (as botocore retries it), and meanwhile the log
+    says every second which URL it waits for and for how long."""
+    import logging
+    import signal
+    import threading
+
+    import s3fs
+
+    monkeypatch.setenv(fsio.STALL_WARN_ENV, "1")
+    source = tmp_path / "part.bin"
+    source.write_bytes(_data(1 << 20))
+    url = f"{s3.bucket}/stalled/part.bin"
+    fs = s3fs.S3FileSystem()
+    fs.pipe_file(f"{s3.bucket}/stalled/warm".removeprefix("s3://"), b"x")  # a live connection
+    assert s3.server.proc is not None
+    pid = s3.server.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(3.5, os.kill, [pid, signal.SIGCONT])
+    resume.start()
+    try:
+        with caplog.at_level(logging.WARNING, "bertpipe.fsio"):
+            fsio.retried(lambda: fs.put_file(str(source), url), f"uploading {url}")
+    finally:
+        resume.cancel()
+        os.kill(pid, signal.SIGCONT)
+    waiting = [r.getMessage() for r in caplog.records if "still waiting after" in r.getMessage()]
+    assert len(waiting) >= 2, caplog.text
+    assert all(m.startswith(f"uploading {url}: still waiting after ") for m in waiting)
+    assert f"uploading {url}: done after" in caplog.text
+    assert fs.cat_file(url.removeprefix("s3://")) == source.read_bytes()
