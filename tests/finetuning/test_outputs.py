@@ -57,6 +57,38 @@ def test_existing_output_is_refused_unless_overwrite(pretrained: Path, tmp_path:
     assert (out / "notes.txt").read_text() == "mine"  # only the previous run's outputs go
 
 
+def test_an_output_a_live_run_holds_is_refused_even_with_overwrite(
+    pretrained: Path, tmp_path: Path
+) -> None:
+    """Another process holds the output's lease (a run still going there): ``overwrite=true``
+    deletes nothing and the run is refused with one line naming the holder; once the holder
+    is gone (killed), the same command runs."""
+    import subprocess
+    import sys
+
+    from bertpipe.lease import OutputInUseError
+    from tests.unit.test_lease import HOLD
+
+    out = tmp_path / "out"
+    stale = out / "predictions" / "epoch9"
+    stale.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(out), "30"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        uri = sqlite_uri(tmp_path / "mlflow.db")
+        cfg = _cfg(pretrained, tmp_path, uri, "glue", "epochs=1", "overwrite=true")
+        with pytest.raises(OutputInUseError, match=f"in use by .* \\(pid {holder.pid} on "):
+            run_finetuning(cfg)
+        assert stale.exists()  # nothing deleted
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_finetuning(cfg).output == str(out)
+    assert not stale.exists() and not (out / ".bertpipe-lease.json").exists()
+
+
 def test_output_is_a_file(pretrained: Path, tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
