@@ -440,8 +440,9 @@ def retried(
     transient: Callable[[BaseException], bool] = is_transient,
 ) -> T:
     """``fn()``, called again after a transient error (:func:`is_transient`) with
-    ``policy``'s backoff; other errors pass through at once. Still failing after the last
-    retry: :class:`TransientError` naming ``what`` (exit status 75: the job is retried)."""
+    ``policy``'s backoff; other errors pass through at once (an object storage refusal as a
+    :class:`StorageAccessError` naming ``what``, which names the URL). Still failing after the
+    last retry: :class:`TransientError` naming ``what`` (exit status 75: the job is retried)."""
     policy = policy or RetryPolicy()
     waits = policy.waits()
     attempt = 1
@@ -451,6 +452,10 @@ def retried(
                 return fn()
         except Exception as exc:
             if not transient(exc):
+                permanent = not isinstance(exc, BertpipeError) and is_permanent(exc)
+                refused = describe(exc, redact(what)) if permanent else None
+                if refused is not None:  # a 403 in any call names what it was doing, and where
+                    raise refused from exc
                 raise
             wait = next(waits, None)
             if wait is None:

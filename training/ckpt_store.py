@@ -217,14 +217,16 @@ class RemoteCheckpoints:
             return
         upload.thread.join()
         if upload.error is not None:
-            if isinstance(upload.error, BertpipeError):
-                raise upload.error
-            refused = describe(upload.error, fsio.redact(f"{self.url}/{upload.tag}"))
-            if refused is not None and is_permanent(upload.error):  # a 403: retrying cannot fix
+            error: BaseException | None = upload.error
+            if not isinstance(error, BertpipeError) and is_permanent(error):  # a 403
+                error = describe(error, fsio.redact(f"{self.url}/{upload.tag}"))
+            if isinstance(error, StorageAccessError):  # retrying cannot fix it: exit 2
                 raise StorageAccessError(
-                    f"checkpoint {upload.tag} was not uploaded: {refused}; `latest` still names "
+                    f"checkpoint {upload.tag} was not uploaded: {error}; `latest` still names "
                     "the previous complete checkpoint"
                 ) from upload.error
+            if isinstance(error, BertpipeError):
+                raise error
             raise CheckpointUploadError(
                 f"checkpoint {upload.tag} was not uploaded to {self.url}: "
                 f"{type(upload.error).__name__}: {_first_line(upload.error)}; `latest` still "

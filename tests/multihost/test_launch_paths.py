@@ -224,6 +224,9 @@ def test_hosts_reach_each_other_only(netns_hosts: TestHosts) -> None:
     finally:
         netns_hosts.link_up(1)
     sleeper = netns_hosts.popen(1, ["sleep", "60"], env=env)
+    entered = time.monotonic() + 5  # `ip netns exec` enters the namespace, then execs sleep
+    while sleeper.pid not in netns_hosts.pids(1) and time.monotonic() < entered:
+        time.sleep(0.05)
     assert sleeper.pid in netns_hosts.pids(1) and sleeper.pid not in netns_hosts.pids(0)
     netns_hosts.kill_host(1)
     assert sleeper.poll() is not None and netns_hosts.pids(1) == []

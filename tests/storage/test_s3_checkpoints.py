@@ -202,5 +202,5 @@ def test_credentials_revoked_mid_run_give_one_line_naming_the_url(
     assert revoked.is_set()
     lines = [line for line in done.stderr.splitlines() if line.startswith("bertpipe: error:")]
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
-    assert checkpoints in lines[0] and "refused the credentials" in lines[0], lines[0]
+    assert checkpoints in lines[0] and "check AWS_ACCESS_KEY_ID" in lines[0], lines[0]
     assert user["AWS_SECRET_ACCESS_KEY"] not in done.stderr + done.stdout

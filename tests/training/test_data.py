@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bertpipe import fsio
+from bertpipe.errors import TransientError
 from bertpipe.preprocessing.shard_format import InstanceBlock, write_tar
 from bertpipe.training.collate import BATCH_KEYS, collate_block, pack_batch, unpack_batch
 from bertpipe.training.config import DataConfig, EvalConfig, PhaseSpec
@@ -392,10 +393,11 @@ def test_wrong_schema_and_format_are_one_line_errors(phase_url: str) -> None:
 
 
 def test_missing_shard_names_its_url(phase_url: str) -> None:
+    """Storage that lost a listed shard: retried, then transient (exit 75), naming it."""
     write_phase(phase_url, UNEVEN)
     fsio.remove([f"{phase_url}/train-00002.tar"])
-    with pytest.raises(DataError) as err:
-        PretrainingData(phase_url, micro_batch_size=2)
+    with pytest.raises(TransientError) as err:
+        PretrainingData(phase_url, micro_batch_size=2, read_retries=1, read_retry_delay=0.01)
     assert "\n" not in str(err.value) and f"{phase_url}/train-00002.tar" in str(err.value)
 
 
