@@ -69,6 +69,7 @@ __all__ = [
     "manifest_url",
     "parts_folder",
     "progress_folder",
+    "resume_folder",
     "shard_name",
     "spill_folder",
 ]
@@ -102,6 +103,8 @@ class Plan:
     special_ids: dict[str, int]
     continuation_ids: tuple[int, ...]
     """Ids of ``##`` pieces (for whole-word masking)."""
+    continuing: bool = False
+    """The job continues a stopped one in its output (tasks it finished are not run again)."""
 
     def phase(self, name: str) -> PhaseConfig:
         return next(p for p in self.cfg.phases if p.name == name)
@@ -158,6 +161,31 @@ def _mark_done(output: str, name: str) -> None:
     fs.pipe_file(path, b"")
 
 
+def resume_folder(output: str) -> str:
+    """Scratch folder of what finished tasks made (``<task>.json``: a read range's spill
+    references and counts, a bucket's part references and statistics, a shard's manifest
+    record), and of the job's identity (``job.json``): the same command continues a stopped
+    job from them (removed when the run completes)."""
+    return fsio.join(output, "_resume")
+
+
+def finished(output: str, task: str) -> Any:
+    """What task ``task`` recorded when it finished (None: not finished)."""
+    url = fsio.join(resume_folder(output), f"{task}.json")
+    try:
+        with fsio.open_url(url, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except ValueError:  # cut short: a record is written atomically, so not by us
+        return None
+
+
+def _finish(output: str, task: str, record: Any) -> None:
+    """Record task ``task`` as finished (after everything it wrote is complete)."""
+    fsio.atomic_write_text(fsio.join(resume_folder(output), f"{task}.json"), json.dumps(record))
+
+
 def parts_folder(output: str, phase: str) -> str:
     """Scratch folder of a phase's part files (removed when the run completes)."""
     return fsio.join(output, phase, "_parts")
@@ -206,8 +234,17 @@ class ReadTokenizeFn(beam.DoFn):
 
     def process(self, task: ReadRange) -> Iterator[Any]:
         cfg = self._plan.cfg
+        name = f"read-{task.index:06d}"
+        done = finished(cfg.output, name)
+        if done is not None:  # a continued job: the range's spill file is complete
+            for split, bucket, url, offset, length in done["refs"]:
+                yield "spill", ((split, bucket), SpillRef(url, offset, length))
+            _count(Counter(done["counts"]))
+            yield "counts", done["counts"]
+            return
         counts: Counter[str] = Counter()
         spill = _Spill(fsio.join(spill_folder(cfg.output), f"{task.index:06d}.bin"))
+        refs: list[list[Any]] = []
         docs = read_documents(
             task.url,
             cfg.input,
@@ -226,14 +263,19 @@ class ReadTokenizeFn(beam.DoFn):
                     self._tokenize(batch, spill, counts)
                     batch = []
                     if spill.buffered >= SPILL_BYTES:
-                        yield from (("spill", ref) for ref in spill.flush())
+                        for ref in spill.flush():
+                            refs.append([*ref[0], *ref[1]])
+                            yield "spill", ref
             self._tokenize(batch, spill, counts)
-            yield from (("spill", ref) for ref in spill.flush())
+            for ref in spill.flush():
+                refs.append([*ref[0], *ref[1]])
+                yield "spill", ref
         finally:
             spill.close()
         _count(counts)
         Metrics.counter(NAMESPACE, "text_bytes_read").inc(task.text_bytes)
-        _mark_done(cfg.output, f"read-{task.index:06d}")
+        _finish(cfg.output, name, {"refs": refs, "counts": dict(counts)})
+        _mark_done(cfg.output, name)
         yield "counts", dict(counts)
 
     def _tokenize(self, batch: list[Document], spill: _Spill, counts: Counter[str]) -> None:
@@ -353,6 +395,19 @@ class CreateInstancesFn(beam.DoFn):
 
     def process(self, element: tuple[tuple[str, int], Iterable[SpillRef]]) -> Iterator[Any]:
         (split, bucket), refs = element
+        cfg = self._plan.cfg
+        name = f"instances-{split}-{bucket:06d}"
+        done = finished(cfg.output, name)
+        if done is None:  # else a continued job: the bucket's part files are complete
+            out = list(self._create(split, bucket, refs))
+            _finish(cfg.output, name, [[kind, _plain(value)] for kind, value in out])
+        else:
+            out = [(kind, _revived(kind, value)) for kind, value in done]
+        yield from out
+        if split == "train":
+            _mark_done(cfg.output, f"bucket-{bucket:06d}")
+
+    def _create(self, split: str, bucket: int, refs: Iterable[SpillRef]) -> Iterator[Any]:
         plan, cfg = self._plan, self._plan.cfg
         # document-id order, whatever ranges and flushes the documents came in
         docs = sorted(
@@ -392,8 +447,6 @@ class CreateInstancesFn(beam.DoFn):
             Metrics.counter(NAMESPACE, f"{phase.name}_{split}_instances").inc(counts["instances"])
             stats = {f"{split}.{k}": v for k, v in counts.items()}
             yield "stats", (phase.name, ("stats", stats))
-        if split == "train":
-            _mark_done(cfg.output, f"bucket-{bucket:06d}")
 
     def _instances(
         self,
@@ -495,6 +548,11 @@ class WriteShardFn(beam.DoFn):
     def process(self, element: tuple[tuple[str, str, int], Iterable[PartRef]]) -> Iterator[Any]:
         (phase, split, shard), refs = element
         cfg = self._plan.cfg
+        name = shard_name(split, shard)
+        done = finished(cfg.output, f"shard-{phase}-{name}")
+        if done is not None and _size(fsio.join(cfg.output, phase, name)) == done["bytes"]:
+            yield phase, ("shard", done)  # a continued job: the shard is written
+            return
         # (bucket, dupe, piece) order, whatever order the runner delivered the parts in
         block = _gather(sorted(refs))
         order = rng_for(cfg.seed, "shuffle", phase, split, shard).permutation(len(block))
@@ -503,11 +561,9 @@ class WriteShardFn(beam.DoFn):
             (f"{shard:05d}-{i:06d}", block.take(order[start : start + size]).to_sample())
             for i, start in enumerate(range(0, len(block), size))
         )
-        name = shard_name(split, shard)
         with fsio.atomic_writer(fsio.join(cfg.output, phase, name)) as out:
             tar = TarStats(out)
             write_tar(tar, samples)
-        _mark_done(cfg.output, f"shard-{phase}-{name}")
         Metrics.counter(NAMESPACE, "shards_written").inc()
         Metrics.counter(NAMESPACE, "shard_bytes").inc(tar.size)
         record = {
@@ -518,7 +574,34 @@ class WriteShardFn(beam.DoFn):
             "bytes": tar.size,
             "sha256": tar.sha256.hexdigest(),
         }
+        _finish(cfg.output, f"shard-{phase}-{name}", record)
+        _mark_done(cfg.output, f"shard-{phase}-{name}")
         yield phase, ("shard", record)
+
+
+def _size(url: str) -> int | None:
+    fs, path = fsio.to_fs(url)
+    try:
+        return int(fs.size(path))
+    except FileNotFoundError:
+        return None
+
+
+def _plain(value: Any) -> Any:
+    """A ``CreateInstancesFn`` output value as JSON (a ``PartRef`` as a list)."""
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _revived(kind: str, value: Any) -> Any:
+    """The value :func:`_plain` made, back: ``("parts", ((phase, split, shard), PartRef))``,
+    ``("stats", (phase, ("stats", {...})))``."""
+    if kind == "parts":
+        (phase, split, shard), ref = value
+        return ((phase, split, shard), PartRef(*ref))
+    phase, (tag, stats) = value
+    return (phase, (tag, stats))
 
 
 def _gather(refs: list[PartRef]) -> InstanceBlock:

@@ -8,6 +8,7 @@ checked before any document is read, so a bad invocation fails in a second with 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,13 +25,20 @@ from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
 from bertpipe.fsio import common_root
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
+from bertpipe.preprocessing.job_output import (
+    OutputExistsError,
+    check_output,
+    check_writable,
+    job_identity,
+    remove_scratch,
+    start_output,
+    workers_stopped,
+)
 from bertpipe.preprocessing.pipeline import (
     Plan,
     build_pipeline,
     manifest_url,
-    parts_folder,
     progress_folder,
-    spill_folder,
 )
 from bertpipe.preprocessing.ranges import ReadRange, plan_ranges
 from bertpipe.preprocessing.readers import read_documents
@@ -52,10 +60,6 @@ log = logging.getLogger(__name__)
 __all__ = ["make_pipeline", "prepare", "run_preprocess", "train_tokenizer"]
 
 _SHARD_FILE = re.compile(r"^(train|heldout)-\d{5}\.tar$")
-
-
-class OutputExistsError(BertpipeError, FileExistsError):
-    """The output already holds results and ``overwrite`` is not set."""
 
 
 class NoTrainingDataError(BertpipeError):
@@ -180,8 +184,6 @@ def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[ReadRange]]:
             "`tokenizer_sha256`"
         )
     vocab = tokenizer.get_vocab(with_added_tokens=True)
-    for phase in cfg.phases:
-        _check_output(cfg, phase.name)
     text_bytes = sum(r.text_bytes for r in ranges)
     shards = {
         p.name: {
@@ -208,19 +210,9 @@ def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[ReadRange]]:
         },
         continuation_ids=tuple(sorted(i for t, i in vocab.items() if t.startswith("##"))),
     )
-    return plan, ranges
-
-
-def _check_output(cfg: PreprocessConfig, phase: str) -> None:
-    folder = fsio.join(cfg.output, phase)
-    existing = [u for u in fsio.list_files(folder) if _SHARD_FILE.match(u.rsplit("/", 1)[-1])]
-    has_manifest = fsio.exists(manifest_url(cfg.output, phase))
-    if (existing or has_manifest) and not cfg.overwrite:
-        raise OutputExistsError(
-            f"{folder} already holds {len(existing)} shard(s)"
-            f"{' and a manifest' if has_manifest else ''}: pass --overwrite to replace them "
-            "or choose another `output`"
-        )
+    check_writable(cfg)  # every folder it writes, before anything is read or deleted
+    continuing = check_output(cfg, job_identity(plan, ranges), _SHARD_FILE)
+    return dataclasses.replace(plan, continuing=continuing), ranges
 
 
 def make_pipeline(beam_args: Sequence[str], tasks: int = 1, text_bytes: int = 0):  # type: ignore[no-untyped-def]
@@ -304,7 +296,14 @@ def local_cores() -> int:
 def run_preprocess(
     cfg: PreprocessConfig, beam_args: Sequence[str] = ()
 ) -> dict[str, dict[str, Any]]:
-    """Run the Beam job and return each phase's manifest (also logged to MLflow)."""
+    """Run the Beam job and return each phase's manifest (also logged to MLflow). A SIGTERM
+    stops it (the runner's worker processes too) and raises
+    :class:`~bertpipe.errors.Terminated` (exit 143); the same command continues it."""
+    with tracking.terminated_raises():
+        return _run_preprocess(cfg, beam_args)
+
+
+def _run_preprocess(cfg: PreprocessConfig, beam_args: Sequence[str]) -> dict[str, dict[str, Any]]:
     plan, ranges = prepare(cfg)
     text_bytes = sum(r.text_bytes for r in ranges)
     log.info(
@@ -357,13 +356,11 @@ def _run_pipeline(
     text_bytes: int,
 ) -> tuple[dict[str, dict[str, Any]], float]:
     """The Beam job, then its manifests read back (each with its ``_sha256``) and checked."""
-    if cfg.overwrite:  # readers must never pair an old manifest with new shards
-        fsio.remove(manifest_url(cfg.output, p.name) for p in cfg.phases)
-    _remove_scratch(cfg)
+    start_output(cfg, job_identity(plan, ranges), plan.continuing)
     started = time.monotonic()
     pipeline = make_pipeline(beam_args, len(ranges), text_bytes)
     build_pipeline(pipeline, plan, ranges)
-    with PreprocessProgress(plan, ranges), _worker_threads(pipeline):
+    with PreprocessProgress(plan, ranges), _worker_threads(pipeline), workers_stopped():
         result = pipeline.run()
         result.wait_until_finish()
     seconds = time.monotonic() - started
@@ -383,7 +380,7 @@ def _run_pipeline(
             empty.append(phase.name)  # nothing of an earlier run is removed for it
         else:
             _remove_stale(cfg, phase.name, manifest)
-    _remove_scratch(cfg)
+    remove_scratch(cfg)
     log.info(
         "preprocess: %.1f MB of text in %.1f s (%.2f MB/s)",
         text_bytes / 1e6,
@@ -408,11 +405,6 @@ def _forget_listings(url: str) -> None:
     fs.invalidate_cache(path)
     for cached in [p for p in getattr(fs, "dircache", {}) if str(p).startswith(path.rstrip("/"))]:
         fs.invalidate_cache(cached)
-
-
-def _remove_scratch(cfg: PreprocessConfig) -> None:
-    folders = [parts_folder(cfg.output, p.name) for p in cfg.phases]
-    fsio.remove([*folders, spill_folder(cfg.output), progress_folder(cfg.output)], recursive=True)
 
 
 class PreprocessProgress:

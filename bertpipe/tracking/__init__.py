@@ -65,6 +65,7 @@ from bertpipe.tracking.lifecycle import (
     log_text,
     set_tags,
     start_run,
+    terminated_raises,
 )
 from bertpipe.tracking.outbox import BUFFER_NAME, buffer_path, replay_buffer
 from bertpipe.tracking.publish import TAG_REGISTERED, publish_model
@@ -118,4 +119,5 @@ __all__ = [
     "set_run_tag",
     "set_tags",
     "start_run",
+    "terminated_raises",
 ]

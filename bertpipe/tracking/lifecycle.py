@@ -49,6 +49,7 @@ __all__ = [
     "log_text",
     "set_tags",
     "start_run",
+    "terminated_raises",
 ]
 
 _outbox: Outbox | None = None
@@ -170,6 +171,18 @@ class _TermAsKilled:
         if self.installed and signal.getsignal(signal.SIGTERM) == self._raise:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self.installed = False
+
+
+@contextlib.contextmanager
+def terminated_raises() -> Iterator[None]:
+    """In the block (main thread, default SIGTERM handler), a SIGTERM raises
+    :class:`~bertpipe.errors.Terminated` (the command exits 143 after ``finally`` blocks
+    ran), whether or not a run is tracked."""
+    sigterm = _TermAsKilled()
+    try:
+        yield
+    finally:
+        sigterm.restore()
 
 
 def log_config(config: Any, name: str = "config.yaml") -> None:
