@@ -23,10 +23,13 @@ opened read-only.
 
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import logging
+import lzma
 import posixpath
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +37,7 @@ from typing import IO, Literal
 
 from bertpipe import fsio
 from bertpipe.config import ConfigError
+from bertpipe.errors import TransientError
 from bertpipe.preprocessing.sentences import split_sentences
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,12 @@ class InputConfig:
     yes for the others. An overlong line is always split."""
     max_sentence_chars: int = 10_000
     """Longer sentences (after splitting) are skipped and counted."""
+    allow_partial: bool = False
+    """Go on without an input file that was listed when the job was planned but is gone or
+    unreadable when its turn comes (counted as ``files_failed``). Default: such a file fails
+    the job with one line naming it, exit 75 (the storage may come back; the same command
+    continues the job). A file that breaks in the middle (a truncated archive) is kept to
+    where it broke either way, counted as ``files_partly_read``."""
 
     def __post_init__(self) -> None:
         if self.max_sentence_chars < 1:
@@ -117,6 +127,61 @@ def read_documents(
     keep: Callable[[str], bool] | None = None,
 ) -> Iterator[Document]:
     """Yield the documents of one file (or of its byte range ``[start, end)``), updating
+    ``counts`` with what was read and skipped (see :func:`_documents`).
+
+    A file that is gone or unreadable (``FileNotFoundError``, no permission, an I/O error of
+    the storage) raises :class:`InputGoneError` (exit 75) unless ``cfg.allow_partial``; one
+    that breaks in the middle (a truncated or corrupt archive, bad parquet) is kept to where
+    it broke: ``files_partly_read`` if it gave documents, else ``files_failed``."""
+    if (start or end is not None) and not offset_ids and cfg.format != "parquet":
+        raise ValueError("a byte range of a file is read with offset_ids=True")
+    if start and cfg.format != "parquet" and (split_extension(url)[1] or cfg.format == "text"):
+        raise ValueError(f"{url} cannot be read from byte {start}: it is not splittable")
+    yielded = 0
+    try:
+        for doc in _documents(
+            url, cfg, counts, root=root, start=start, end=end, offset_ids=offset_ids, keep=keep
+        ):
+            yielded += 1
+            yield doc
+    except (OSError, EOFError, ValueError) as exc:
+        _stopped(url, exc, counts, yielded, cfg.allow_partial)
+
+
+class InputGoneError(TransientError):
+    """An input file listed when the job was planned is gone or unreadable now."""
+
+
+def _stopped(url: str, exc: BaseException, counts: Counter[str], yielded: int, allow: bool) -> None:
+    what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    broken = EOFError | ValueError | gzip.BadGzipFile | zlib.error | lzma.LZMAError
+    corrupt = isinstance(exc, broken)  # a truncated archive: kept to where it broke
+    if not corrupt and not allow:
+        raise InputGoneError(
+            f"{fsio.redact(url)} was listed when the job was planned and cannot be read now "
+            f"({fsio.redact(what)}): the storage may be unavailable; rerun the same command "
+            "(it continues the job), or set input.allow_partial=true to go on without it"
+        ) from exc
+    if yielded:
+        counts["files_partly_read"] += 1
+        log.warning("read %s only partly: %d document(s), then %s", url, yielded, what)
+    else:
+        counts["files_failed"] += 1
+        log.warning("stopped reading %s: %s", url, what)
+
+
+def _documents(
+    url: str,
+    cfg: InputConfig,
+    counts: Counter[str],
+    *,
+    root: str = "",
+    start: int = 0,
+    end: int | None = None,
+    offset_ids: bool = False,
+    keep: Callable[[str], bool] | None = None,
+) -> Iterator[Document]:
+    """Yield the documents of one file (or of its byte range ``[start, end)``), updating
     ``counts`` with what was read and skipped. ``keep(doc_id)`` false skips a document
     before its text is split into sentences (a sample of a big corpus reads fast).
 
@@ -129,8 +194,6 @@ def read_documents(
     (files read or skipped) come from the range that starts at 0. For ``parquet``,
     ``start``/``end`` are row-group numbers.
     """
-    if (start or end is not None) and not offset_ids and cfg.format != "parquet":
-        raise ValueError("a byte range of a file is read with offset_ids=True")
     ext, compression = split_extension(url)
     name = relative_name(url, root)
     first = start == 0
@@ -148,34 +211,28 @@ def read_documents(
     if cfg.format == "parquet":
         yield from _parquet_docs(url, name, cfg, counts, start, end, keep)
         return
-    if start and (compression or cfg.format == "text"):
-        raise ValueError(f"{url} cannot be read from byte {start}: it is not splittable")
-    try:
-        with fsio.open_url(url, "rb", compression=compression) as f:
-            problem = _sniff(f.read(_SNIFF_BYTES))
-        if problem:
-            if first:
-                counts[f"files_skipped_{problem}"] += 1
-                log.warning("skipping %s: %s", url, problem.replace("_", " "))
-            return
+    with fsio.open_url(url, "rb", compression=compression) as f:
+        problem = _sniff(f.read(_SNIFF_BYTES))
+    if problem:
         if first:
-            counts["files_read"] += 1
-        with fsio.open_url(url, "rb", compression=compression) as f:
-            # zstandard's reader has no readline; a buffer over it gives fast line iteration
-            stream = io.BufferedReader(f, 1 << 20) if compression == "zstd" else f
-            if cfg.format == "text":
-                if keep is None or keep(f"{name}:0"):
-                    yield from _text_doc(_lines(stream, 0), name, cfg, counts)
-                return
-            begin, prev_blank = _seek_line(stream, start)
-            lines = _lines(stream, begin)
-            if cfg.format == "sentences":
-                yield from _sentence_docs(lines, name, cfg, counts, end, prev_blank, offset_ids)
-            else:
-                yield from _jsonl_docs(lines, name, url, cfg, counts, end, offset_ids, keep)
-    except (OSError, EOFError, ValueError) as exc:  # truncated archive, bad compression
-        counts["files_failed"] += 1
-        log.warning("stopped reading %s: %s: %s", url, type(exc).__name__, exc)
+            counts[f"files_skipped_{problem}"] += 1
+            log.warning("skipping %s: %s", url, problem.replace("_", " "))
+        return
+    if first:
+        counts["files_read"] += 1
+    with fsio.open_url(url, "rb", compression=compression) as f:
+        # zstandard's reader has no readline; a buffer over it gives fast line iteration
+        stream = io.BufferedReader(f, 1 << 20) if compression == "zstd" else f
+        if cfg.format == "text":
+            if keep is None or keep(f"{name}:0"):
+                yield from _text_doc(_lines(stream, 0), name, cfg, counts)
+            return
+        begin, prev_blank = _seek_line(stream, start)
+        lines = _lines(stream, begin)
+        if cfg.format == "sentences":
+            yield from _sentence_docs(lines, name, cfg, counts, end, prev_blank, offset_ids)
+        else:
+            yield from _jsonl_docs(lines, name, url, cfg, counts, end, offset_ids, keep)
 
 
 def _sniff(head: bytes) -> str | None:
@@ -357,32 +414,28 @@ def _parquet_docs(
     """Rows of row groups ``[start, end)``, one row group in memory at a time."""
     import pyarrow.parquet as pq
 
-    try:
-        with fsio.open_url(url, "rb") as f:
-            pf = pq.ParquetFile(f)
-            meta = pf.metadata
-            if start == 0:
-                counts["files_read"] += 1
-            columns = [cfg.text_field] + ([cfg.id_field] if cfg.id_field else [])
-            columns = [c for c in columns if c in pf.schema_arrow.names]
-            row = sum(meta.row_group(g).num_rows for g in range(start))
-            for group in range(start, meta.num_row_groups if end is None else end):
-                table = pf.read_row_group(group, columns=columns)
-                texts = table.column(cfg.text_field).to_pylist()
-                ids = (
-                    table.column(cfg.id_field).to_pylist()
-                    if cfg.id_field in table.column_names
-                    else [None] * len(texts)
-                )
-                del table
-                for text, doc_id in zip(texts, ids, strict=True):
-                    key = f"{name}#{row}" if doc_id is None else str(doc_id)
-                    row += 1
-                    if keep is None or keep(key):
-                        yield from _record_doc(text, key, cfg, counts)
-    except (OSError, ValueError) as exc:  # not parquet, truncated
-        counts["files_failed"] += 1
-        log.warning("stopped reading %s: %s: %s", url, type(exc).__name__, exc)
+    with fsio.open_url(url, "rb") as f:
+        pf = pq.ParquetFile(f)
+        meta = pf.metadata
+        if start == 0:
+            counts["files_read"] += 1
+        columns = [cfg.text_field] + ([cfg.id_field] if cfg.id_field else [])
+        columns = [c for c in columns if c in pf.schema_arrow.names]
+        row = sum(meta.row_group(g).num_rows for g in range(start))
+        for group in range(start, meta.num_row_groups if end is None else end):
+            table = pf.read_row_group(group, columns=columns)
+            texts = table.column(cfg.text_field).to_pylist()
+            ids = (
+                table.column(cfg.id_field).to_pylist()
+                if cfg.id_field in table.column_names
+                else [None] * len(texts)
+            )
+            del table
+            for text, doc_id in zip(texts, ids, strict=True):
+                key = f"{name}#{row}" if doc_id is None else str(doc_id)
+                row += 1
+                if keep is None or keep(key):
+                    yield from _record_doc(text, key, cfg, counts)
 
 
 def _text_doc(

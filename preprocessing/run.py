@@ -41,7 +41,7 @@ from bertpipe.preprocessing.pipeline import (
     progress_folder,
 )
 from bertpipe.preprocessing.ranges import ReadRange, plan_ranges
-from bertpipe.preprocessing.readers import read_documents
+from bertpipe.preprocessing.readers import InputGoneError, read_documents
 from bertpipe.preprocessing.tokenizer import (
     SpecialTokens,
     TokenizerMismatchError,
@@ -361,8 +361,14 @@ def _run_pipeline(
     pipeline = make_pipeline(beam_args, len(ranges), text_bytes)
     build_pipeline(pipeline, plan, ranges)
     with PreprocessProgress(plan, ranges), _worker_threads(pipeline), workers_stopped():
-        result = pipeline.run()
-        result.wait_until_finish()
+        try:
+            result = pipeline.run()
+            result.wait_until_finish()
+        except Exception as exc:  # a worker's error, as the runner carried it back
+            gone = _worker_error(exc, InputGoneError)
+            if gone is None:
+                raise
+            raise InputGoneError(gone) from None
     seconds = time.monotonic() - started
     _forget_listings(cfg.output)  # the workers wrote there: other processes, other clients
     manifests = {}
@@ -393,6 +399,22 @@ def _run_pipeline(
         files = sorted({r.url for r in ranges})
         raise NoTrainingDataError(_no_training_data(cfg, files, manifests, empty))
     return manifests, seconds
+
+
+def _worker_error(exc: BaseException, kind: type[BaseException]) -> str | None:
+    """The message of a ``kind`` error raised in a worker, found in ``exc`` (the runner
+    re-raises it, wraps it, or carries its traceback as text), or None."""
+    seen: BaseException | None = exc
+    for _ in range(10):
+        if seen is None:
+            break
+        if isinstance(seen, kind):
+            return str(seen)
+        found = re.search(rf"{kind.__name__}: ([^\n]+)", str(seen))
+        if found:
+            return found.group(1).strip().strip("'\"")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _forget_listings(url: str) -> None:
@@ -535,6 +557,13 @@ def _log_summary(manifest: dict[str, Any]) -> None:
     }
     if skipped:
         log.warning("%s: skipped input: %s", manifest["phase"], json.dumps(skipped))
+    if corpus.get("files_partly_read"):
+        log.warning(
+            "%s: partly read: %d file(s) broke in the middle; their documents up to there are "
+            "in (see the warnings above for which)",
+            manifest["phase"],
+            corpus["files_partly_read"],
+        )
 
 
 def _log_to_mlflow(manifests: dict[str, dict[str, Any]], seconds: float) -> None:
