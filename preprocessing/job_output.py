@@ -128,17 +128,24 @@ def _writable_folders(cfg: PreprocessConfig) -> list[str]:
 
 def check_writable(cfg: PreprocessConfig) -> None:
     """Every local folder the job writes takes a file (made if missing, a probe written and
-    removed); one line naming the first that does not (exit 2). Object storage is probed by
-    the command's preflight."""
+    removed, the folders it made removed again); one line naming the first that does not
+    (exit 2). Object storage is probed by the command's preflight."""
     for url in _writable_folders(cfg):
         fs, path = fsio.to_fs(url)
         if not fsio.is_local(fs):
             continue
-        probe = Path(path) / f".bertpipe-probe-{uuid.uuid4().hex}"
+        folder = Path(path)
+        made = [p for p in (folder, *folder.parents) if not p.exists()]
+        probe = folder / f".bertpipe-probe-{uuid.uuid4().hex}"
         try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                probe.write_bytes(b"")
+                probe.unlink()
+            finally:
+                for created in made:  # deepest first
+                    with contextlib.suppress(OSError):
+                        created.rmdir()
         except OSError as exc:
             what = exc.strerror or type(exc).__name__
             raise ConfigError(

@@ -24,6 +24,9 @@ bertpipe itself reads none of these variables:
     ``latest``: a crash or a full disk in the middle of a save. On object storage,
     ``kill-upload:TAG`` (SIGKILL) and ``term-upload:TAG`` (SIGTERM) hit the process after
     the first file of TAG's upload reached the store: a crash or a preemption mid-upload.
+``BERTPIPE_FAULT_PREPROCESS_TERM``
+    ``1``: a ``bertpipe preprocess`` job's driver gets SIGTERM once a process of the job
+    has written that many shards (a preemption in the shard stage).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ FAULT_RAISE_STEP = "BERTPIPE_FAULT_RAISE_STEP"
 FAULT_RANK = "BERTPIPE_FAULT_RANK"
 FAULT_SIGNAL = "BERTPIPE_FAULT_SIGNAL"
 FAULT_IN_SAVE = "BERTPIPE_FAULT_IN_SAVE"
+FAULT_PREPROCESS_TERM = "BERTPIPE_FAULT_PREPROCESS_TERM"
 PREFIX = "BERTPIPE_FAULT_"
 
 _INJECT = Path(__file__).resolve().parent / "faultinject"
@@ -83,6 +87,41 @@ def from_environ(rank: int, environ: Mapping[str, str] | None = None) -> faults.
 def install_from_environ() -> None:
     """Make this process's runs take their faults from the environment."""
     faults.install(from_environ)
+    after = os.environ.get(FAULT_PREPROCESS_TERM)
+    if after:
+        _term_after_shards(int(after))
+
+
+def _term_after_shards(count: int) -> None:
+    """``BERTPIPE_FAULT_PREPROCESS_TERM=N``: once this process has written N shards of a
+    ``bertpipe preprocess`` job, the job's driver gets SIGTERM (a preemption in the middle
+    of the shard stage): the driver itself, or the parent of a Beam SDK worker process."""
+    from bertpipe.preprocessing import pipeline
+
+    real = pipeline.WriteShardFn.process
+    written = [0]
+
+    def process(self, element):  # type: ignore[no-untyped-def]
+        yield from real(self, element)
+        written[0] += 1
+        if written[0] == count:
+            os.kill(_driver(), signal.SIGTERM)
+
+    pipeline.WriteShardFn.process = process  # type: ignore[method-assign]
+
+
+def _driver() -> int:
+    """The ``bertpipe`` process this one belongs to: itself, or the ancestor of a Beam SDK
+    worker (which the runner starts through ``sh -c``)."""
+    pid = os.getpid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read()
+        if b"bertpipe" in command and b"sdk_worker_main" not in command:
+            return pid
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    return os.getpid()
 
 
 def child_pythonpath(*folders: str | Path) -> str:
