@@ -49,6 +49,12 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--corpus", help="repeat these files (sentences layout) instead")
     group.add_argument("--seed", type=int, default=0, help="synthetic corpus seed")
     group.add_argument(
+        "--preempt",
+        action="store_true",
+        help="then the same job again into a new output, SIGTERMed once its first shard is "
+        "written, and continued with the same command: its wall times against the full run's",
+    )
+    group.add_argument(
         "--format",
         choices=("sentences", "parquet"),
         default="sentences",
@@ -302,7 +308,9 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError(f"bertpipe preprocess failed:\n{output.decode()[-4000:]}")
         manifest = json.loads((out / "seq128" / "manifest.json").read_text())
         splits = manifest["splits"]
+        preempted = _preempted(argv, out, work, env, cpus) if args.preempt else {}
         return {
+            **preempted,
             "mb": round(text_mb, 1),
             "files": args.files,
             "format": args.format,
@@ -319,6 +327,53 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
             "dupe_factor": args.dupe_factor,
             "cpus": len(cpus) if cpus else None,
         }
+
+
+def _preempted(
+    argv: list[str], out: Path, work: Path, env: dict[str, str], cpus: set[int] | None
+) -> dict[str, Any]:
+    """The job of ``argv`` into a new output, SIGTERMed (the driver only, as a container's
+    PID 1 gets it) once its first shard is written, then the same command again: it
+    continues. Its output must equal the full run's in ``out``, byte for byte."""
+    import signal
+
+    again = work / "preempted"
+    shutil.rmtree(again, ignore_errors=True)
+    command = [a for a in argv if a != "overwrite=true"]
+    command = [f"output={again}" if a.startswith("output=") else a for a in command]
+    started = time.monotonic()
+    proc = _cli(command, env, cpus)
+    while proc.poll() is None and not list((again / "seq128").glob("train-*.tar")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stopped_out, _ = proc.communicate()
+    stopped = time.monotonic() - started
+    if proc.returncode != 143:
+        raise RuntimeError(
+            f"the SIGTERMed run exited {proc.returncode}:\n{stopped_out.decode()[-3000:]}"
+        )
+    shards_before = len(list((again / "seq128").glob("train-*.tar")))
+    started = time.monotonic()
+    proc = _cli(command, env, cpus)
+    output, _ = proc.communicate()
+    continued = time.monotonic() - started
+    if proc.returncode != 0:
+        raise RuntimeError(f"the continued run failed:\n{output.decode()[-3000:]}")
+    same = (again / "seq128" / "manifest.json").read_bytes() == (
+        out / "seq128" / "manifest.json"
+    ).read_bytes()
+    shards = sorted(p.name for p in (out / "seq128").glob("*.tar"))
+    same = same and all(
+        (again / "seq128" / n).read_bytes() == (out / "seq128" / n).read_bytes() for n in shards
+    )
+    partial = [p.name for p in again.rglob("*") if ".tmp-" in p.name]
+    return {
+        "preempted_after_s": round(stopped, 1),
+        "shards_when_preempted": shards_before,
+        "continued_wall_s": round(continued, 1),
+        "continued_byte_identical": same,
+        "partial_files_left": len(partial),
+    }
 
 
 def _cpus(workers: int) -> set[int] | None:
