@@ -46,7 +46,7 @@ from bertpipe.errors import BertpipeError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LEASE_NAME", "Holder", "Lease", "OutputInUseError", "held"]
+__all__ = ["LEASE_NAME", "Holder", "Lease", "OutputInUseError", "OutputUnwritableError", "held"]
 
 LEASE_NAME = ".bertpipe-lease.json"
 _ACTIVE: set[str] = set()
@@ -56,6 +56,10 @@ a previous run of this process that did not end cleanly)."""
 
 class OutputInUseError(BertpipeError):
     """Another live run holds the output's lease."""
+
+
+class OutputUnwritableError(BertpipeError):
+    """A local output where the lease cannot be written (a file, a read-only folder)."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,7 @@ class Lease:
         self.timeout_s = timeout_s
         self.interval = max(0.5, timeout_s / 4)
         self.holder: Holder | None = None
+        self._made: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -195,7 +200,23 @@ class Lease:
         return f"not renewed for {self.timeout_s:.0f} s"
 
     def acquire(self) -> None:
-        """Take the lease, or raise :class:`OutputInUseError` naming the live holder."""
+        """Take the lease, or raise :class:`OutputInUseError` naming the live holder (a
+        local output that cannot be written: one line naming it)."""
+        try:
+            self._acquire()
+        except OSError as exc:
+            if not fsio.is_local(fsio.to_fs(self.url)[0]):
+                raise
+            what = exc.strerror or type(exc).__name__
+            raise OutputUnwritableError(
+                f"{self.folder} cannot be written ({what}): a run takes a lease on its output "
+                "there; choose a writable output"
+            ) from None
+
+    def _acquire(self) -> None:
+        fs, path = fsio.to_fs(self.folder)
+        if fsio.is_local(fs) and not os.path.exists(path):
+            self._made = path  # removed again at release if the run left it empty
         for _ in range(5):
             other = self._read()
             if other is not None:
@@ -278,6 +299,9 @@ class Lease:
         except Exception as exc:  # the next run takes it over as a stale lease
             log.warning("%s: could not remove the lease: %s", self.url, fsio.redact(str(exc)))
         self.holder = None
+        if self._made is not None:  # a run refused before any work leaves no empty output
+            with contextlib.suppress(OSError):
+                os.rmdir(self._made)
 
 
 @contextlib.contextmanager

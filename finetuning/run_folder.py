@@ -24,7 +24,7 @@ from bertpipe.config import ConfigError
 from bertpipe.errors import StorageAccessError
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.fsio import storage_errors
-from bertpipe.lease import LEASE_NAME, Lease, OutputInUseError
+from bertpipe.lease import LEASE_NAME, Lease, OutputInUseError, OutputUnwritableError
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.engine import DistInfo
 
@@ -62,7 +62,7 @@ def run_folder(cfg: FinetuneConfig, info: DistInfo, prefix: str = "") -> Iterato
             decision[0] = ("ok", folder)
         except ConfigError as exc:
             decision[0] = ("error", ConfigError, exc.key, exc.message)
-        except (OutputInUseError, StorageAccessError) as exc:
+        except (OutputInUseError, OutputUnwritableError, StorageAccessError) as exc:
             decision[0] = ("error", type(exc), "", str(exc))
         if decision[0][0] == "error" and held is not None:
             held.release()

@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from bertpipe import fsio, tracking
+from bertpipe import fsio, lease, tracking
 from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
 from bertpipe.fsio import common_root
@@ -299,8 +299,13 @@ def run_preprocess(
     """Run the Beam job and return each phase's manifest (also logged to MLflow). A SIGTERM
     stops it (the runner's worker processes too) and raises
     :class:`~bertpipe.errors.Terminated` (exit 143); the same command continues it."""
-    with tracking.terminated_raises():
+    with tracking.terminated_raises(), lease.held(cfg.output, "preprocess", LEASE_TIMEOUT_S):
         return _run_preprocess(cfg, beam_args)
+
+
+LEASE_TIMEOUT_S = 60.0
+"""The job's lease on its output (:mod:`bertpipe.lease`): a second job on the same output is
+refused while this one lives; a lease not renewed for this long is taken over."""
 
 
 def _run_preprocess(cfg: PreprocessConfig, beam_args: Sequence[str]) -> dict[str, dict[str, Any]]:
