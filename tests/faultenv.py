@@ -19,9 +19,9 @@ bertpipe itself reads none of these variables:
 ``BERTPIPE_FAULT_RANK``
     ``1``: the three faults above on that rank only (default: every rank).
 ``BERTPIPE_FAULT_IN_SAVE``
-    ``kill:TAG`` kills the process (SIGKILL) and ``enospc:TAG`` raises "No space left on
-    device" after DeepSpeed wrote checkpoint TAG's files and before bertpipe's state and
-    ``latest``: a crash or a full disk in the middle of a save. On object storage,
+    ``kill:TAG`` kills the process (SIGKILL) after DeepSpeed wrote checkpoint TAG's files
+    and before bertpipe's state and ``latest``: a crash in the middle of a save (a full disk
+    is a real small tmpfs: ``tests/training/test_crash_faults.py``). On object storage,
     ``kill-upload:TAG`` (SIGKILL) and ``term-upload:TAG`` (SIGTERM) hit the process after
     the first file of TAG's upload reached the store: a crash or a preemption mid-upload.
 ``BERTPIPE_FAULT_PREPROCESS_TERM``
@@ -54,7 +54,7 @@ def from_environ(rank: int, environ: Mapping[str, str] | None = None) -> faults.
     environ = os.environ if environ is None else environ
     source = {k: v for k, v in environ.items() if k.startswith(PREFIX)}
     kind, _, tag = environ.get(FAULT_IN_SAVE, "").partition(":")
-    kinds = ("kill", "enospc", "kill-upload", "term-upload")
+    kinds = ("kill", "kill-upload", "term-upload")
     in_save = (kind, tag) if kind in kinds and tag else None
     only = environ.get(FAULT_RANK)
     if only is not None and int(only) != rank:

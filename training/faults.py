@@ -11,7 +11,6 @@ that gets active faults logs a warning naming them.
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -40,7 +39,8 @@ class Faults:
     raise_step: int | None = None
     """Raise ``RuntimeError`` before this step."""
     in_save: tuple[str, str] | None = None
-    """``(kind, tag)``: ``kill`` or ``enospc`` in the middle of saving checkpoint ``tag``,
+    """``(kind, tag)``: ``kill`` in the middle of saving checkpoint ``tag`` (a full disk is
+    made with a real small file system, not here),
     ``kill-upload`` or ``term-upload`` in the middle of uploading it."""
     signal_step: tuple[int, int] | None = None
     """``(signal number, step)``: the process signals itself before that step."""
@@ -77,7 +77,6 @@ class Faults:
             return
         if self.in_save[0] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), tag)
 
     def in_checkpoint_upload(self, tag: str) -> None:
         """Called (in the upload thread) once the first file of ``tag`` is on the store."""
