@@ -140,7 +140,8 @@ class RemoteCheckpoints:
         """The ``global_step*`` folders on the store (complete or not)."""
         self.fs.invalidate_cache(self.root)
         try:
-            entries = self.fs.ls(self.root, detail=False, refresh=True)
+            with fsio.storage_errors(self.url):  # a refusal names the folder
+                entries = self.fs.ls(self.root, detail=False, refresh=True)
         except FileNotFoundError:
             return []
         names = [posixpath.basename(p.rstrip("/")) for p in entries]
@@ -153,7 +154,7 @@ class RemoteCheckpoints:
         self.fs.invalidate_cache(self.root)
 
     def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError), fsio.storage_errors(f"{self.url}/{name}"):
             self.fs.rm_file(self._path(name))
 
     # ------------------------------------------------------------ completeness
@@ -163,7 +164,8 @@ class RemoteCheckpoints:
         base = self._path(tag)
         self.fs.invalidate_cache(base)
         try:
-            found = self.fs.find(base, detail=True, withdirs=False)
+            with fsio.storage_errors(f"{self.url}/{tag}"):
+                found = self.fs.find(base, detail=True, withdirs=False)
         except FileNotFoundError:
             return {}
         return {
