@@ -56,7 +56,7 @@ EXPERIMENT_KIND = "custom_model_development"
 """The experiment kind MLflow's UI reads to choose an experiment's first page: model training
 opens on the runs table (without it, MLflow 3 opens an untagged experiment on its GenAI
 overview of traces, empty for bertpipe)."""
-STAGES = ("tokenizer", "preprocess", "pretrain", "finetune", "sweep")
+STAGES = ("tokenizer", "preprocess", "pretrain", "finetune", "sweep", "evaluate")
 DEFAULT_URI = "sqlite:///runs/mlflow.db"
 MAX_PARAM_VALUE = 500
 """Param values longer than this are cut (with ``...``): long values are unreadable in the UI

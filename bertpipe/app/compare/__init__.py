@@ -8,7 +8,11 @@ Split by concern:
 * :mod:`~bertpipe.app.compare.lineage`: each run's parent, sweep and pre-training ancestor;
 * :mod:`~bertpipe.app.compare.table`: :class:`Comparison` as a fitted terminal table, CSV, JSON;
 * :mod:`~bertpipe.app.compare.plot`: :func:`plot_comparison`, metric histories per run;
-* :mod:`~bertpipe.app.compare.cli`: the command line and :func:`print_comparison`.
+* :mod:`~bertpipe.app.compare.suites`: :func:`compare_suites`, the suite runs of
+  ``bertpipe evaluate`` side by side (``--suites``): a :class:`SuiteTable` of each task's
+  score per run as a table, CSV, JSON, and :func:`plot_suites`, grouped bars;
+* :mod:`~bertpipe.app.compare.cli`: the command line, :func:`print_comparison` and
+  :func:`print_suites`.
 
 This is the application layer (it reads the runs of all stages); the tags it follows are
 written by :mod:`bertpipe.tracking`, which the stages use. (The package is not called
@@ -17,12 +21,13 @@ written by :mod:`bertpipe.tracking`, which the stages use. (The package is not c
 
 from __future__ import annotations
 
-from bertpipe.app.compare.cli import print_comparison
+from bertpipe.app.compare.cli import print_comparison, print_suites
 from bertpipe.app.compare.plot import plot_comparison
 from bertpipe.app.compare.query import (
     DEFAULT_PRETRAIN_METRICS,
     BadTagError,
     CompareQuery,
+    FoundRuns,
     NoMatchingRunsError,
     RunsError,
     TrackingUnreachableError,
@@ -30,10 +35,12 @@ from bertpipe.app.compare.query import (
     UnknownMetricError,
     UnknownRunError,
     compare_runs,
+    find_runs,
     lower_is_better,
     parse_tags,
 )
 from bertpipe.app.compare.rows import MLFLOW_PARENT_TAG, RunRow
+from bertpipe.app.compare.suites import SuiteRun, SuiteTable, compare_suites, plot_suites
 from bertpipe.app.compare.table import Comparison
 
 __all__ = [
@@ -42,16 +49,23 @@ __all__ = [
     "BadTagError",
     "CompareQuery",
     "Comparison",
+    "FoundRuns",
     "NoMatchingRunsError",
     "RunRow",
     "RunsError",
+    "SuiteRun",
+    "SuiteTable",
     "TrackingUnreachableError",
     "UnknownExperimentError",
     "UnknownMetricError",
     "UnknownRunError",
     "compare_runs",
+    "compare_suites",
+    "find_runs",
     "lower_is_better",
     "parse_tags",
     "plot_comparison",
+    "plot_suites",
     "print_comparison",
+    "print_suites",
 ]

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from mlflow import MlflowClient
 
-__all__ = ["plot_comparison"]
+__all__ = ["plot_comparison", "save_figure"]
 
 
 def plot_comparison(
@@ -86,11 +86,19 @@ def plot_comparison(
         ax.legend(fontsize="small", loc="best", ncols=1 if len(histories[name]) <= 12 else 2)
     fig.suptitle(f"experiment {comparison.experiment}: {comparison.description}", fontsize=10)
     if out is not None:
-        fmt = os.path.splitext(out)[1].lstrip(".").lower()
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format=fmt if fmt in ("png", "svg", "pdf") else "png", dpi=110)
-        fsio.atomic_write_bytes(fsio.absolute(out), buffer.getvalue())
+        save_figure(fig, out)
     return fig
+
+
+def save_figure(fig: Figure, out: str) -> str:
+    """Write ``fig`` to ``out`` atomically (PNG, or SVG/PDF by extension; local or object
+    storage); returns the absolute path written."""
+    fmt = os.path.splitext(out)[1].lstrip(".").lower()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt if fmt in ("png", "svg", "pdf") else "png", dpi=110)
+    path = fsio.absolute(out)
+    fsio.atomic_write_bytes(path, buffer.getvalue())
+    return path
 
 
 def _legend_labels(rows: Sequence[RunRow]) -> dict[str, str]:

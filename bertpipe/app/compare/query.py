@@ -1,8 +1,9 @@
 """Which runs to compare, and finding them in the MLflow store.
 
 :class:`CompareQuery` says which runs (one experiment; by stage, tags, status or sweep parent)
-and which of their values to show; :func:`compare_runs` searches the store, adds each run's
-lineage (:mod:`~bertpipe.app.compare.lineage`) and returns a
+and which of their values to show; :func:`find_runs` searches the store for them (the search
+every view shares, :mod:`~bertpipe.app.compare.suites` included); :func:`compare_runs` adds
+each run's lineage (:mod:`~bertpipe.app.compare.lineage`) and returns a
 :class:`~bertpipe.app.compare.table.Comparison`.
 
 The tracking URI always goes through :class:`~bertpipe.tracking.TrackingConfig` (never
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_RUNS_LIMIT",
     "BadTagError",
     "CompareQuery",
+    "FoundRuns",
     "NoMatchingRunsError",
     "RunsError",
     "TrackingUnreachableError",
@@ -44,6 +46,7 @@ __all__ = [
     "UnknownMetricError",
     "UnknownRunError",
     "compare_runs",
+    "find_runs",
     "lower_is_better",
     "open_client",
     "parse_tags",
@@ -198,12 +201,35 @@ def lower_is_better(metric: str) -> bool:
 # --------------------------------------------------------------------------- search
 
 
-def compare_runs(query: CompareQuery, client: MlflowClient | None = None) -> Comparison:
-    """Find the runs ``query`` asks for and build their comparison.
+@dataclasses.dataclass(frozen=True)
+class FoundRuns:
+    """The runs a :class:`CompareQuery` found, and where they were searched."""
+
+    client: MlflowClient
+    """The client of the store (for further look-ups: lineage, metric histories)."""
+    tracking_uri: str
+    """The absolute tracking URI."""
+    experiment_id: str
+    filter: str
+    """The MLflow filter string the runs were searched with."""
+    runs: list[Run]
+    """At most ``query.max_runs``, in the order asked for; never empty."""
+
+
+def find_runs(
+    query: CompareQuery,
+    client: MlflowClient | None = None,
+    *,
+    order_by: Sequence[str] = ("attributes.start_time DESC",),
+    hint: str = "",
+) -> FoundRuns:
+    """Search the store for the runs ``query`` selects (its experiment, stage, tags,
+    ``children_of`` and status filters, at most ``max_runs``), ordered by ``order_by``.
 
     Raises :class:`TrackingUnreachableError`, :class:`UnknownExperimentError`,
-    :class:`UnknownRunError` (``children_of``), :class:`NoMatchingRunsError` or
-    :class:`UnknownMetricError` (a sort metric no run has), each with a one-line message.
+    :class:`UnknownRunError` (``children_of``), :class:`RunsError` (a failed search) or
+    :class:`NoMatchingRunsError` (``hint`` is added to its message), each with a one-line
+    message.
     """
     uri = query.resolved_uri()
     if client is None:
@@ -213,19 +239,30 @@ def compare_runs(query: CompareQuery, client: MlflowClient | None = None) -> Com
     if query.children_of is not None:
         parent_id = _resolve_run(client, experiment_id, query.children_of)
     filter_string = query.filter_string(parent_id)
-    order_by = ["attributes.start_time DESC"]
-    ascending = query.sort_ascending
-    if query.sort:
-        order_by.insert(0, f"metrics.`{query.sort}` {'ASC' if ascending else 'DESC'}")
-    runs = _search(client, experiment_id, filter_string, query.max_runs, order_by, uri)
+    runs = _search(client, experiment_id, filter_string, query.max_runs, list(order_by), uri)
     if not runs:
-        hint = "" if query.all_states else "; --all-states includes unfinished and failed runs"
+        if not query.all_states:
+            hint += "; --all-states includes unfinished and failed runs"
         raise NoMatchingRunsError(
             f"no runs of experiment '{query.experiment}' match {query.describe()} "
             f"(MLflow filter: {filter_string or 'none'}){hint}"
         )
-    rows = [run_row(run) for run in runs]
-    add_lineage(client, rows)
+    return FoundRuns(client, uri, experiment_id, filter_string, runs)
+
+
+def compare_runs(query: CompareQuery, client: MlflowClient | None = None) -> Comparison:
+    """Find the runs ``query`` asks for and build their comparison.
+
+    Raises the errors of :func:`find_runs`, and :class:`UnknownMetricError` (a sort metric no
+    run has), each with a one-line message.
+    """
+    order_by = ["attributes.start_time DESC"]
+    ascending = query.sort_ascending
+    if query.sort:
+        order_by.insert(0, f"metrics.`{query.sort}` {'ASC' if ascending else 'DESC'}")
+    found = find_runs(query, client, order_by=order_by)
+    rows = [run_row(run) for run in found.runs]
+    add_lineage(found.client, rows)
     present = sorted({m for row in rows for m in row.metrics})
     if query.sort and query.sort not in present:
         raise UnknownMetricError(
@@ -241,9 +278,9 @@ def compare_runs(query: CompareQuery, client: MlflowClient | None = None) -> Com
         _mark_best(rows, query.sort)
     return Comparison(
         experiment=query.experiment,
-        experiment_id=experiment_id,
-        tracking_uri=uri,
-        filter=filter_string,
+        experiment_id=found.experiment_id,
+        tracking_uri=found.tracking_uri,
+        filter=found.filter,
         description=query.describe(),
         rows=rows,
         metrics=metrics,
