@@ -38,6 +38,7 @@ COMMANDS: dict[str, str] = {
     "export": "bertpipe.training.cli:add_export_command",
     "finetune": "bertpipe.finetuning.cli:add_finetune_command",
     "sweep": "bertpipe.finetuning.cli:add_sweep_command",
+    "evaluate": "bertpipe.finetuning.evaluation.cli:add_evaluate_command",
     "bench": "bertpipe.app.bench:add_bench_command",
     "demo": "bertpipe.app.demo:add_demo_command",
     "plan": "bertpipe.training.cli_plan:add_plan_command",

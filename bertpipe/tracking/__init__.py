@@ -20,6 +20,9 @@ split by concern:
   and logged models (:class:`DatasetRef`, :func:`log_inputs`, :func:`log_folder_model`).
 * :mod:`~bertpipe.tracking.registry`: :func:`log_hf_model` (a model as a logged model of its
   run, MLflow's ``transformers`` flavour, optionally registered) and :func:`hf_task`.
+* :mod:`~bertpipe.tracking.runs`: calls on runs other than the open one (a suite's killed
+  trials, a watcher's metrics in the pre-training run, a run's status, a registered model's
+  files).
 * :mod:`~bertpipe.tracking.publish`: :func:`publish_model`, a stage's model output logged
   or registered, kept as plain artifacts through the buffer while the store is down.
 
@@ -77,6 +80,12 @@ from bertpipe.tracking.registry import (
     pip_requirements,
     register_logged_model,
 )
+from bertpipe.tracking.runs import (
+    download_model,
+    end_killed_children,
+    log_run_metrics,
+    run_status,
+)
 
 __all__ = [
     "BUFFER_NAME",
@@ -97,6 +106,8 @@ __all__ = [
     "config_params",
     "connect",
     "connect_to_run",
+    "download_model",
+    "end_killed_children",
     "export_model_id",
     "files_dataset",
     "find_model",
@@ -110,11 +121,13 @@ __all__ = [
     "log_metrics",
     "log_params",
     "log_run_artifact",
+    "log_run_metrics",
     "log_text",
     "pip_requirements",
     "publish_model",
     "register_logged_model",
     "replay_buffer",
+    "run_status",
     "runs_page_url",
     "set_run_tag",
     "set_tags",

@@ -23,6 +23,7 @@ from bertpipe.cli_args import ConfigHelpAction
 from bertpipe.config import field_docs, load_config
 from bertpipe.config_help import config_sections, load_class
 from bertpipe.finetuning.config import FinetuneConfig
+from bertpipe.finetuning.evaluation.config import EvaluateConfig
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
 from bertpipe.training.config import PretrainConfig
 
@@ -34,6 +35,7 @@ STAGES: dict[tuple[str, ...], type] = {
     ("plan",): PretrainConfig,
     ("finetune",): FinetuneConfig,
     ("sweep",): FinetuneConfig,
+    ("evaluate",): EvaluateConfig,
 }
 STAGE_IDS = [" ".join(k) for k in STAGES]
 

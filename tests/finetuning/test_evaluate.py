@@ -1,0 +1,291 @@
+"""``bertpipe evaluate``: the paper's protocol on GLUE's layouts, resumed after SIGKILL, run
+in parallel, and refused on bad input before any trial.
+
+The suites fine-tune the tiny BERT of ``conftest.pretrained`` on GLUE-layout folders written
+by :mod:`tests.finetuning.glue_layout` (all nine tasks; WNLI must be left out). Every trial
+computes on one thread, so that a trial run again anywhere (a worker process, a resumed
+suite, ``bertpipe finetune`` by hand) gives the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.cli_runner import run_cli
+from tests.conftest import sqlite_uri
+from tests.finetuning.glue_layout import write_glue
+
+TASKS = ["cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte"]
+GLUE_SCORE = {  # the GLUE benchmark's rule, written out again here
+    "cola": ["mcc"],
+    "sst2": ["accuracy"],
+    "mrpc": ["f1", "accuracy"],
+    "stsb": ["pearson", "spearman"],
+    "qqp": ["f1", "accuracy"],
+    "mnli": ["accuracy", "dev_mismatched/accuracy"],
+    "qnli": ["accuracy"],
+    "rte": ["accuracy"],
+}
+LRS, SEEDS = [3e-3, 1e-3], [1, 2]
+PROTOCOL = [
+    f"protocol.learning_rates=[{','.join(map(str, LRS))}]",
+    f"protocol.seeds=[{','.join(map(str, SEEDS))}]",
+    "protocol.epochs=2",
+    "protocol.max_seq_length=32",
+    "threads_per_trial=1",
+    "tracking.experiment=evaluate",
+]
+
+
+JOB = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env() -> dict[str, str]:
+    """A child's environment: one thread, and not this process's one-process job."""
+    return {**{k: v for k, v in os.environ.items() if k not in JOB}, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def glue(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_glue(tmp_path_factory.mktemp("glue"))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return sqlite_uri(tmp_path_factory.mktemp("store") / "mlflow.db")
+
+
+@pytest.fixture(scope="module")
+def suite(pretrained: Path, glue: Path, store: str, tmp_path_factory) -> dict[str, Any]:
+    """The whole GLUE suite (8 tasks x 2 learning rates x 2 seeds), run once."""
+    out = tmp_path_factory.mktemp("suite") / "glue"
+    args = ["evaluate", f"model={pretrained}", "suite=glue", f"data={glue}", f"output={out}"]
+    done = run_cli([*args, *PROTOCOL, f"tracking.uri={store}", "parallel=1"], _env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"out": out, "summary": summary, "stdout": done.stdout, "args": args}
+
+
+def _trial(out: Path, task: str, lr: float, seed: int) -> dict[str, Any]:
+    return json.loads((out / "trials" / task / f"lr{lr:g}-seed{seed}" / "result.json").read_text())
+
+
+def test_glue_suite_follows_the_protocol_and_logs_it(suite: dict[str, Any], store: str) -> None:
+    out, summary = suite["out"], suite["summary"]
+    assert list(summary["tasks"]) == TASKS  # the paper's order; WNLI left out
+    assert summary["trials"] == summary["trials_run"] == len(TASKS) * len(LRS) * len(SEEDS)
+    seed_averages = []
+    for task in TASKS:
+        per_lr = {}
+        for lr in LRS:
+            scores = []
+            for seed in SEEDS:
+                trial = _trial(out, task, lr, seed)
+                assert trial["metrics"] == trial["last"]  # the last epoch, as the paper
+                scores.append(statistics.fmean(trial["metrics"][m] for m in GLUE_SCORE[task]))
+            per_lr[lr] = scores
+        chosen = max(LRS, key=lambda lr: (statistics.fmean(per_lr[lr]), -LRS.index(lr)))
+        got = summary["tasks"][task]
+        assert got["learning_rate"] == chosen
+        assert got["score"] == pytest.approx(statistics.fmean(per_lr[chosen]), abs=1e-12)
+        assert got["std"] == pytest.approx(statistics.stdev(per_lr[chosen]), abs=1e-12)
+        seed_averages.append(per_lr[chosen])
+    average = statistics.fmean(summary["tasks"][t]["score"] for t in TASKS)
+    assert summary["average"] == pytest.approx(average, abs=1e-12)
+    per_seed = [statistics.fmean(s[i] for s in seed_averages) for i in range(len(SEEDS))]
+    assert summary["average_std"] == pytest.approx(statistics.stdev(per_seed), abs=1e-12)
+    assert "| **average** |" in (out / "table.md").read_text()
+
+    import mlflow
+
+    client = mlflow.MlflowClient(store)
+    run = client.get_run(summary["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["bertpipe.stage"] == "evaluate"
+    assert run.data.tags["bertpipe.suite_tasks"] == ",".join(TASKS)
+    assert run.data.tags["bertpipe.parent_run_id"] == "pretrain-run-123"  # the export's lineage
+    assert run.data.metrics["average"] == summary["average"]
+    for task in TASKS:
+        assert run.data.metrics[f"{task}/score"] == summary["tasks"][task]["score"]
+        assert run.data.metrics[f"{task}/learning_rate"] == summary["tasks"][task]["learning_rate"]
+    assert (
+        run.data.metrics["mrpc/f1_std"] >= 0 and "mnli/dev_mismatched/accuracy" in run.data.metrics
+    )
+    children = client.search_runs(
+        [run.info.experiment_id], f"tags.mlflow.parentRunId = '{summary['run_id']}'"
+    )
+    assert len(children) == summary["trials"]
+    assert {c.info.status for c in children} == {"FINISHED"}
+    assert {c.data.tags["bertpipe.trial"] for c in children} >= {"rte/lr0.003-seed1"}
+    names = {a.path for a in client.list_artifacts(summary["run_id"])}
+    assert {"suite_results.json", "suite_table.md"} <= names
+
+
+def test_each_task_equals_finetune_run_by_hand(
+    suite: dict[str, Any], tmp_path: Path, store: str
+) -> None:
+    """The chosen setting of every task, run again as `bertpipe finetune --config` of the
+    trial's own finetune.yaml: the same metrics, bit for bit (best epoch on stdout, last
+    epoch's in its MLflow run)."""
+    import mlflow
+
+    out, summary = suite["out"], suite["summary"]
+    client = mlflow.MlflowClient(store)
+    for task in TASKS:
+        lr, seed = summary["tasks"][task]["learning_rate"], SEEDS[0]
+        trial = _trial(out, task, lr, seed)
+        config = out / "trials" / task / f"lr{lr:g}-seed{seed}" / "finetune.yaml"
+        again = run_cli(
+            [
+                "finetune",
+                "--config",
+                str(config),
+                f"output={tmp_path / task}",
+                "tracking.experiment=by-hand",
+                "tracking.run_name=by-hand",
+            ],
+            _env(),
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        by_hand = json.loads(again.stdout.strip().splitlines()[-1])
+        best = {k: v for k, v in trial["best"].items() if k != "best_epoch"}
+        assert by_hand["metrics"] == best, task
+        last = client.get_run(by_hand["run_id"]).data.metrics
+        assert {k: last[f"eval/{k}"] for k in trial["last"]} == trial["last"], task
+
+
+def _evaluate_process(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bertpipe.app.cli", *args],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def test_a_sigkilled_suite_resumes_without_rerunning_and_parallel_gives_the_same(
+    pretrained: Path, glue: Path, store: str, tmp_path: Path, suite: dict[str, Any]
+) -> None:
+    """Two tasks (8 trials) SIGKILLed (the process group, as a scheduler does) after its
+    third trial: the same command reuses the finished trials and ends with the table of the
+    same suite run without a stop, 2 trials at a time in worker processes."""
+    base = ["evaluate", f"model={pretrained}", "suite=glue", f"data={glue}", "tasks=[rte,stsb]"]
+    base += [*PROTOCOL, f"tracking.uri={store}"]
+    killed_out = tmp_path / "killed"
+    args = [*base, f"output={killed_out}", "parallel=1"]
+    proc = _evaluate_process(args)
+    deadline = time.monotonic() + 180
+    while len(list(killed_out.glob("trials/*/*/result.json"))) < 3:
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
+        assert time.monotonic() < deadline, "no third trial in 180 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = {p: p.stat().st_mtime_ns for p in killed_out.glob("trials/*/*/result.json")}
+    assert 3 <= len(finished) < 8 and not (killed_out / "results.json").exists()
+
+    resumed = run_cli(args, _env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"{len(finished)} of 8 trials finished before" in resumed.stderr
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished  # not run again
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert summary["trials_run"] == 8 - len(finished)
+
+    parallel_out = tmp_path / "parallel"
+    alone = run_cli([*base, f"output={parallel_out}", "parallel=2"], _env())
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "2 at a time" in alone.stderr
+    assert (killed_out / "table.md").read_text() == (parallel_out / "table.md").read_text()
+    results = [json.loads((o / "results.json").read_text()) for o in (killed_out, parallel_out)]
+    assert results[0]["scores"] == results[1]["scores"]
+    for task in results[0]["scores"]["tasks"]:  # and the same as in the whole suite's run
+        assert task["mean"] == suite["summary"]["tasks"][task["task"]]["score"]
+
+    import mlflow
+
+    client = mlflow.MlflowClient(store)
+    children = client.search_runs(
+        [client.get_experiment_by_name("evaluate").experiment_id],
+        f"tags.mlflow.parentRunId = '{summary['run_id']}'",
+    )
+    statuses = [c.info.status for c in children]
+    assert "RUNNING" not in statuses and statuses.count("FINISHED") == 8
+
+
+def _refused(args: list[str], fragment: str) -> str:
+    done = run_cli(args, _env())
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("bertpipe: error: ") and fragment in line, line
+    return line
+
+
+def test_bad_input_is_one_line_before_any_trial(
+    pretrained: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    glue = write_glue(tmp_path / "glue", train=40, dev=16)
+    uri = sqlite_uri(tmp_path / "mlflow.db")
+    common = [f"model={pretrained}", f"tracking.uri={uri}", *PROTOCOL]
+
+    def evaluate(*extra: str) -> list[str]:
+        return ["evaluate", *common, f"output={tmp_path / 'out'}", *extra]
+
+    (glue / "MRPC" / "dev.tsv").unlink()
+    _refused(evaluate("suite=glue", f"data={glue}"), f"{glue / 'MRPC' / 'dev.tsv'} is missing")
+    shutil.rmtree(glue / "MRPC")
+    sst2 = glue / "SST-2" / "train.tsv"
+    lines = sst2.read_text().splitlines()
+    lines[7] = lines[7] + "\textra"  # line 8: a column too many
+    sst2.write_text("\n".join(lines) + "\n")
+    line = _refused(evaluate("suite=glue", f"data={glue}"), f"{sst2}:8: ")
+    assert "bad_rows=skip" in line
+    _refused(evaluate("suite=glue", f"data={glue}", "tasks=[wnli]"), "'wnli' is not a GLUE task")
+
+    table = tmp_path / "table"
+    table.mkdir()
+    (table / "train.csv").write_text("text,label\n" + "the cat sat.,a\nthe dog sat.,b\n" * 4)
+    (table / "dev.csv").write_text("text,label\nthe cat sat.,a\nthe dog sat.,b\n")
+    (table / "dev_c.csv").write_text("text,label\nthe cat sat.,a\nthe man sat.,c\n")
+    suite_yaml = tmp_path / "suite.yaml"
+
+    def suite_file(text: str) -> list[str]:
+        suite_yaml.write_text(text)
+        return evaluate(f"suite={suite_yaml}", f"data={table}")
+
+    _refused(
+        suite_file("name: mine\ntasks:\n  - {name: t, family: tabel, train: a, dev: [b]}\n"),
+        "tasks[0].family: unknown family 'tabel'",
+    )
+    _refused(
+        suite_file("name: mine\ntasks:\n  - {name: t, train: train.csv, dev: dev.csv, score: auc}"),
+        "task t has no metric 'auc'",
+    )
+    _refused(
+        suite_file("name: mine\ntasks:\n  - {name: t, train: train.csv, dev: [dev_c.csv]}\n"),
+        f"{table / 'dev_c.csv'}:3: ",  # label c: not in the training file
+    )
+    _refused(evaluate("suite=glue", "data=", "tasks=[rte]"), "config key 'data'")
+    _refused(
+        evaluate("suite=glue", f"data={glue}", "finetune.learning_rate=1"),
+        "config key 'finetune.learning_rate'",
+    )
+
+    import mlflow
+
+    runs = mlflow.MlflowClient(uri).search_runs(
+        [e.experiment_id for e in mlflow.MlflowClient(uri).search_experiments()]
+    )
+    assert runs == []  # nothing published, not even a failed suite run
