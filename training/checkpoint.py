@@ -51,6 +51,7 @@ __all__ = [
     "latest_tag",
     "loadable",
     "prune",
+    "published_tags",
     "read_state",
     "remove_all",
     "restore_rng",
@@ -439,6 +440,15 @@ def has_checkpoints(folder: str) -> bool:
 def tags(folder: str) -> list[str]:
     """The ``global_step*`` checkpoints in ``folder`` (complete or not)."""
     return _Folder(folder).tags()
+
+
+def published_tags(folder: str) -> list[str]:
+    """The checkpoints in ``folder`` that were published whole (``latest`` moved to them: the
+    index lists them) from a good step and are still there, oldest first. What a reader that
+    is not the run (a watcher) may take: a tag folder being written is not among them."""
+    present = set(tags(folder))
+    index = sorted(_read_index(folder), key=lambda e: e["global_step"])
+    return [e["tag"] for e in index if e["tag"] in present and e.get("good", True)]
 
 
 def read_state(folder: str, tag: str, rank: int) -> tuple[CheckpointState, dict[str, Any] | None]:
