@@ -113,9 +113,9 @@ class CompareQuery:
     """Only the nested runs (sweep trials) of this run: a run id or a run name."""
     metrics: list[str] = dataclasses.field(default_factory=list)
     """Metric columns (final values); ``*`` globs match the logged names. Empty: the stage's
-    defaults (every ``eval/*`` metric for finetune runs, ``best/*`` and ``eval/*`` for sweep
-    runs, the pre-training losses and accuracies for pretrain runs, every metric for the
-    other stages)."""
+    defaults (for finetune runs every ``best/*`` metric, the kept epoch's, else ``eval/*``,
+    the last epoch's; ``best/*`` and ``eval/*`` for sweep runs; the pre-training losses and
+    accuracies for pretrain runs; every metric for the other stages)."""
     params: list[str] = dataclasses.field(default_factory=list)
     """Param columns; ``*`` globs match the logged names."""
     sort: str | None = None
@@ -431,8 +431,9 @@ def _choose_metrics(query: CompareQuery, rows: list[RunRow], present: list[str])
         logged = sorted({m for r in rows if r.stage == stage for m in r.metrics})
         if stage == "pretrain":
             chosen.update(dict.fromkeys(DEFAULT_PRETRAIN_METRICS))
-        elif stage == "finetune":
-            chosen.update(dict.fromkeys(m for m in logged if m.startswith("eval/")))
+        elif stage == "finetune":  # the kept (best) epoch's, named best/; else the last's
+            best = [m for m in logged if m.startswith("best/") and m != "best/step"]
+            chosen.update(dict.fromkeys(best or [m for m in logged if m.startswith("eval/")]))
         elif stage == "sweep":  # a sweep logs its best trial's metrics as best/*
             chosen.update(dict.fromkeys(m for m in logged if m.startswith(("best/", "eval/"))))
         else:
