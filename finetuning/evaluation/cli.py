@@ -63,13 +63,13 @@ def _evaluate(args: argparse.Namespace, passthrough: list[str]) -> int:
             evaluated = watch_checkpoints(cfg, args.watch)
             sys.stdout.write(json.dumps({"evaluated": evaluated}) + "\n")
             return 0
-        from bertpipe.finetuning.evaluation.runner import run_suite
+        from bertpipe.finetuning.evaluation.runner import describe, run_suite
 
         result = run_suite(cfg)
     except PreemptedError:  # the trial in progress saved its checkpoint
         return PREEMPTED_EXIT_CODE
     scores = result.scores
-    sys.stdout.write(scores.table(f"{scores.suite}: {result.model.label}"))
+    sys.stdout.write(scores.table(f"{scores.suite}: {result.model.label}", describe(cfg)))
     summary = {
         "run_id": result.run_id,
         "output": result.output,

@@ -462,7 +462,7 @@ def _run(
             "scores": scores.to_dict(),
             "trials": {k: results[k].to_dict() for k in sorted(results)},
         }
-        table = scores.table(f"{suite.name}: {tags['bertpipe.model_name']}")
+        table = scores.table(f"{suite.name}: {tags['bertpipe.model_name']}", describe(cfg))
         fsio.atomic_write_text(str(output / "table.md"), table)
         fsio.atomic_write_text(
             str(output / "results.json"), json.dumps(_stable(summary), indent=2) + "\n"
@@ -473,6 +473,18 @@ def _run(
             tracking.log_text(table, "suite_table.md")
     log.info("evaluate: %s average %.4f ± %.4f", suite.name, scores.average, scores.average_std)
     return SuiteResult(run_id, str(output), scores, results, model, len(pending))
+
+
+def describe(cfg: EvaluateConfig) -> str:
+    """What the suite's numbers are, in one line (under its table)."""
+    protocol = cfg.protocol
+    seeds = len(protocol.seeds)
+    grid = "/".join(f"{lr:g}" for lr in protocol.learning_rates)
+    return (
+        f"Dev scores x100 of the {protocol.epoch} epoch (of {protocol.epochs}), mean ± std over "
+        f"{seeds} seed{'s' * (seeds != 1)} at the learning rate with the best mean "
+        f"({grid}; batch {protocol.batch_size}); a task's score averages its score metrics."
+    )
 
 
 def _stable(summary: dict[str, Any]) -> dict[str, Any]:

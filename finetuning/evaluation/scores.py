@@ -107,13 +107,15 @@ class SuiteScores:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def table(self, title: str = "") -> str:
-        """The result as a Markdown table (scores x100, mean ± std over seeds)."""
+    def table(self, title: str = "", note: str = "") -> str:
+        """The result as a Markdown table (scores x100, mean ± std over seeds), with
+        ``note`` (what the numbers are) under the title."""
 
         def pct(mean: float, std: float) -> str:
             return "-" if not math.isfinite(mean) else f"{100 * mean:.1f} ± {100 * std:.1f}"
 
         lines = [f"### {title}", ""] if title else []
+        lines += [note, ""] if note else []
         lines += ["| task | score | metrics | learning rate |", "|---|---|---|---|"]
         for t in self.tasks:
             metrics = ", ".join(f"{name} {pct(*v)}" for name, v in t.metrics.items())

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from tests.cli_runner import run_cli
@@ -289,3 +290,131 @@ def test_bad_input_is_one_line_before_any_trial(
         [e.experiment_id for e in mlflow.MlflowClient(uri).search_experiments()]
     )
     assert runs == []  # nothing published, not even a failed suite run
+
+
+def _squad(folder: Path, n: int, seed: int) -> None:
+    """SQuAD v1.1 files (``train-v1.1.json``, ``dev-v1.1.json``): who sat on what."""
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", n), ("dev", n // 2)):
+        paragraphs = []
+        for i in range(count):
+            who, what = rng.choice(["the cat", "the dog", "john", "peter"], 2, replace=False)
+            context = f"{who} sat on the mat . {what} sat on the river ."
+            qas = [
+                {
+                    "id": f"{split}-{i}",
+                    "question": "who sat on the mat ?",
+                    "answers": [{"text": str(who), "answer_start": 0}],
+                }
+            ]
+            paragraphs.append({"context": context, "qas": qas})
+        data = {"version": "1.1", "data": [{"title": "t", "paragraphs": paragraphs}]}
+        (folder / f"{split}-v1.1.json").write_text(json.dumps(data))
+
+
+def _conll(folder: Path, n: int, seed: int) -> None:
+    """CoNLL-2003's layout (``eng.train``, ``eng.testa``), IOB1 tags."""
+    rng = np.random.default_rng(seed)
+    for name, count in (("eng.train", n), ("eng.testa", n // 2)):
+        lines = ["-DOCSTART- -X- -X- O", ""]
+        for _ in range(count):
+            person = str(rng.choice(["john", "peter"]))
+            place = str(rng.choice(["london", "paris", "japan"]))
+            words = [(person, "I-PER"), ("lives", "O"), ("in", "O"), (place, "I-LOC")]
+            lines += [f"{w} NN I-NP {tag}" for w, tag in words] + [""]
+        (folder / name).write_text("\n".join(lines) + "\n")
+
+
+def test_squad_conll_and_yaml_suites(pretrained: Path, glue: Path, tmp_path: Path) -> None:
+    from bertpipe.finetuning.evaluation.suite import check_suite, load_suite
+
+    (tmp_path / "squad").mkdir()
+    (tmp_path / "conll").mkdir()
+    _squad(tmp_path / "squad", 48, 0)
+    _conll(tmp_path / "conll", 48, 0)
+    squad = check_suite(load_suite("squad", str(tmp_path / "squad")))
+    assert [(t.name, t.score, t.metrics) for t in squad.tasks] == [
+        ("squad", ("f1",), ("f1", "exact"))
+    ]
+    conll = check_suite(load_suite("conll", str(tmp_path / "conll")))
+    assert conll.tasks[0].task["train"].endswith("eng.train") and conll.tasks[0].score == ("f1",)
+
+    uri = sqlite_uri(tmp_path / "mlflow.db")
+    one = ["protocol.learning_rates=[3e-3]", "protocol.seeds=[1]", "protocol.epochs=1"]
+    one += ["protocol.max_seq_length=32", "threads_per_trial=1", f"tracking.uri={uri}"]
+    done = run_cli(
+        [
+            "evaluate",
+            f"model={pretrained}",
+            "suite=conll",
+            f"data={tmp_path / 'conll'}",
+            f"output_root={tmp_path / 'evaluate'}",
+            *one,
+        ],
+        _env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["output"] == str(tmp_path / "evaluate" / f"conll-{pretrained.name}")
+    assert summary["average"] == summary["tasks"]["conll"]["score"]
+
+    suite_yaml = tmp_path / "mine.yaml"
+    suite_yaml.write_text(
+        f"""name: mine
+tasks:
+  - {{name: qa, family: squad, folder: {tmp_path / "squad"}, train: train-v1.1.json,
+     dev: [dev-v1.1.json], task: {{doc_stride: 16, max_query_length: 8}}, score: [f1, exact]}}
+  - {{name: rte, family: glue, folder: {glue / "RTE"}}}
+"""
+    )
+    done = run_cli(
+        [
+            "evaluate",
+            f"model={pretrained}",
+            f"suite={suite_yaml}",
+            f"output={tmp_path / 'mine'}",
+            *one,
+        ],
+        _env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert list(summary["tasks"]) == ["qa", "rte"]
+    trial = _trial(tmp_path / "mine", "qa", 3e-3, 1)
+    assert (
+        summary["tasks"]["qa"]["score"] == (trial["metrics"]["f1"] + trial["metrics"]["exact"]) / 2
+    )
+    assert summary["average"] == pytest.approx(
+        (summary["tasks"]["qa"]["score"] + summary["tasks"]["rte"]["score"]) / 2, abs=1e-12
+    )
+    assert "Dev scores x100 of the last epoch (of 1), mean ± std over 1 seed" in done.stdout
+
+
+def test_runs_compare_shows_two_models_suites_side_by_side(
+    suite: dict[str, Any], pretrained: Path, glue: Path, store: str, tmp_path: Path
+) -> None:
+    """The whole suite's run (the pre-trained model) and the same architecture from random
+    weights on two tasks, as `bertpipe runs compare --suites` shows them."""
+    args = ["evaluate", f"model={pretrained}", "suite=glue", f"data={glue}", "tasks=[sst2,rte]"]
+    args += [*PROTOCOL, f"tracking.uri={store}", f"output={tmp_path / 'random'}"]
+    args += ["finetune.random_init=true", "model_name=random-init"]
+    done = run_cli(args, _env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    random_init = json.loads(done.stdout.strip().splitlines()[-1])
+
+    compare = ["runs", "compare", "--suites", f"--tracking-uri={store}", "--experiment=evaluate"]
+    shown = run_cli([*compare, "--width=0", f"--plot={tmp_path / 'suites.png'}"], _env())
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    lines = shown.stdout.splitlines()
+    header = next(line for line in lines if "random-init" in line)
+    assert "bert" in header.replace("random-init", "")
+    rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in TASKS}
+    assert list(rows) == TASKS
+    sst2 = random_init["tasks"]["sst2"]
+    assert f"{100 * sst2['score']:.1f} ± {100 * sst2['std']:.1f}" in rows["sst2"]
+    assert rows["cola"].split()[1] == "-"  # the newest column (random-init) has no CoLA
+    assert (tmp_path / "suites.png").stat().st_size > 0
+    as_json = run_cli([*compare, "--json"], _env())
+    payload = json.loads(as_json.stdout)
+    names = [run["model_name"] for run in payload["runs"]]
+    assert as_json.returncode == 0 and names[0] == "random-init" and "bert" in " ".join(names)
