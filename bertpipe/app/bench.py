@@ -20,6 +20,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "model": ("bertpipe.training.bench_model", "forward+backward, ours vs transformers', CPU"),
     "loader": ("bertpipe.training.bench_loader", "pre-training loader: collated instances/s"),
     "train": ("bertpipe.training.bench_train", "real trainer path steps: seq/s, MFU"),
+    "evaluate": (
+        "bertpipe.finetuning.evaluation.bench",
+        "a GLUE suite under the protocol: seconds per task and per trial",
+    ),
     "memory": (
         "bertpipe.training.bench_memory",
         "model states and activations per rank on N CPU ranks vs bertpipe plan",

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from bertpipe.finetuning.evaluation.sample_glue import write_glue
 from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
-from tests.finetuning.glue_layout import write_glue
 
 TASKS = ["cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte"]
 GLUE_SCORE = {  # the GLUE benchmark's rule, written out again here
@@ -418,3 +418,15 @@ def test_runs_compare_shows_two_models_suites_side_by_side(
     payload = json.loads(as_json.stdout)
     names = [run["model_name"] for run in payload["runs"]]
     assert as_json.returncode == 0 and names[0] == "random-init" and "bert" in " ".join(names)
+
+
+def test_bench_evaluate_reports_seconds_per_task(tmp_path: Path) -> None:
+    sqlite_uri(tmp_path / "mlflow.db")  # the bench's store, made from the empty template
+    args = ["bench", "evaluate", "--rows", "32", "--learning-rates", "1e-3", "--seeds", "1,2"]
+    args += ["--epochs", "1", "--tasks", "rte,cola", "--max-seq-length", "32"]
+    done = run_cli([*args, "--threads-per-trial", "1", "--out", str(tmp_path)], _env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["trials"] == 4 and figures["threads_per_trial"] == 1
+    assert set(figures["tasks"]) == {"rte", "cola"}
+    assert all(t["trials"] == 2 and t["seconds_per_trial"] > 0 for t in figures["tasks"].values())

@@ -1,11 +1,12 @@
-"""GLUE's task folders in the official download's formats, written from local text.
+"""GLUE's task folders in the official download's formats, written from local text (for the
+suite's tests and ``bertpipe bench evaluate``; nothing is downloaded).
 
 Every task of the benchmark (and WNLI, which a suite must leave out): CoLA without a header
 (``source, label, original label, sentence``), SST-2, MRPC with its quality and id columns,
 STS-B's ten columns with a 0-5 score, QQP's ids, MNLI's twelve training columns and the
-sixteen of ``dev_matched.tsv`` / ``dev_mismatched.tsv``, QNLI, RTE. Sentences come from the
-test tokenizer's words; labels follow simple rules on the words, so that a model can learn
-something in a few steps and the tasks' scores differ.
+sixteen of ``dev_matched.tsv`` / ``dev_mismatched.tsv``, QNLI, RTE. Sentences come from a
+small fixed vocabulary (:data:`WORDS`); labels follow simple rules on the words, so that a
+model can learn something in a few steps and the tasks' scores differ.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ MNLI_DEV = [
     "label5",
     "gold_label",
 ]
+WORDS = sorted({*POSITIVE, *NEGATIVE, *NEUTRAL, "?", "."})
+"""Every word the files hold (with ``?`` and ``.``): a tokenizer over these reads them all."""
 STSB = [
     "index",
     "genre",
