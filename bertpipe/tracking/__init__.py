@@ -84,6 +84,7 @@ from bertpipe.tracking.runs import (
     download_model,
     end_killed_children,
     log_run_metrics,
+    model_version_run,
     run_status,
 )
 
@@ -123,6 +124,7 @@ __all__ = [
     "log_run_artifact",
     "log_run_metrics",
     "log_text",
+    "model_version_run",
     "pip_requirements",
     "publish_model",
     "register_logged_model",

@@ -11,7 +11,13 @@ from bertpipe.tracking.client import quick_http
 
 log = logging.getLogger(__name__)
 
-__all__ = ["download_model", "end_killed_children", "log_run_metrics", "run_status"]
+__all__ = [
+    "download_model",
+    "end_killed_children",
+    "log_run_metrics",
+    "model_version_run",
+    "run_status",
+]
 
 
 def download_model(model_uri: str, dst: str, tracking_uri: str | None = None) -> None:
@@ -22,6 +28,20 @@ def download_model(model_uri: str, dst: str, tracking_uri: str | None = None) ->
         mlflow.set_tracking_uri(tracking_uri)
         mlflow.set_registry_uri(tracking_uri)
     mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=dst)
+
+
+def model_version_run(model_uri: str, tracking_uri: str | None = None) -> str | None:
+    """The run that logged the registered model ``models:/NAME/VERSION`` (None if unknown)."""
+    import mlflow
+
+    name, _, version = model_uri.removeprefix("models:/").rpartition("/")
+    try:
+        client = mlflow.MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        run_id = client.get_model_version(name, version).run_id
+    except Exception as exc:  # an alias, or a registry without it: the lineage stays unknown
+        log.debug("%s: no run found (%s)", model_uri, exc)
+        return None
+    return str(run_id) if run_id else None
 
 
 def end_killed_children(parent_run_id: str, tag: str, keep: Callable[[str], bool]) -> list[str]:

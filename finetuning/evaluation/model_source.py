@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bertpipe import fsio, staging
+from bertpipe import fsio, staging, tracking
 from bertpipe.config import ConfigError
 from bertpipe.finetuning.evaluation.config import safe_name
 from bertpipe.training import checkpoint as ckpt
@@ -128,8 +128,6 @@ def _exported(given: str, folder: str, tag: str, target: Path) -> ModelSource:
 
 
 def _registered(given: str, target: Path, tracking_uri: str | None) -> ModelSource:
-    from bertpipe import tracking
-
     if not (target / DONE).exists():
         _fresh(target)
         try:
@@ -148,4 +146,7 @@ def _registered(given: str, target: Path, tracking_uri: str | None) -> ModelSour
         if found and not (folder / name).exists():
             shutil.copy(found[0], folder / name)
     label = safe_name(given.removeprefix("models:/"))
-    return ModelSource(given, str(folder.resolve()), "registered", label, **_lineage(folder))
+    lineage = _lineage(folder)
+    if lineage.get("pretrain_run_id") is None:  # the registry knows the run that logged it
+        lineage["pretrain_run_id"] = tracking.model_version_run(given, tracking_uri)
+    return ModelSource(given, str(folder.resolve()), "registered", label, **lineage)

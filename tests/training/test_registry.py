@@ -20,6 +20,7 @@ import torch
 
 from bertpipe.app.cli import main
 from bertpipe.config import load_config
+from tests.cli_runner import run_cli
 from tests.conftest import free_port, parity_task
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.usefixtures("keep_logging")]
@@ -195,8 +196,36 @@ def test_export_and_finetune_log_and_register_models_that_load_without_bertpipe(
     assert f"exports/{tag}/bertpipe_export.json" in exported
     _assert_one_safetensors_model("models:/bert-pre/1", tmp_path / "pre-files")
 
-    # fine-tune from the export: lineage tag, the best model logged and registered
+    # the registered model evaluated by its registry name: downloaded, its lineage from the
+    # registry (the run that logged it), the same scores as the export's
     train, dev = parity_task(tmp_path / "task")
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(f"name: parity\ntasks:\n  - {{name: parity, train: {train}, dev: [{dev}]}}\n")
+    scores = {}
+    for model in ("models:/bert-pre/1", str(export)):
+        done = run_cli(
+            [
+                "evaluate",
+                f"model={model}",
+                f"suite={suite}",
+                f"output={tmp_path / 'evaluate' / model.replace('/', '_')}",
+                "protocol.learning_rates=[1e-3]",
+                "protocol.seeds=[1]",
+                "protocol.epochs=1",
+                "protocol.batch_size=8",
+                "threads_per_trial=1",
+                f"tracking.uri={uri}",
+                "tracking.experiment=registry-tests",
+            ]
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads(done.stdout.strip().splitlines()[-1])
+        scores[model] = summary["tasks"]
+        suite_run = client.get_run(summary["run_id"])
+        assert suite_run.data.tags["bertpipe.parent_run_id"] == pretrain_run
+    assert scores["models:/bert-pre/1"] == scores[str(export)]
+
+    # fine-tune from the export: lineage tag, the best model logged and registered
     cfg = load_config(
         FinetuneConfig,
         None,
