@@ -49,6 +49,8 @@ class ModelSource:
     """The pre-training step of the model's checkpoint, where known."""
     checkpoint: str | None = None
     """``<folder>/<tag>`` of a checkpoint's export."""
+    model_id: str | None = None
+    """The model as a logged model in MLflow (an export recorded there), where known."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,6 +111,7 @@ def _lineage(folder: Path) -> dict[str, Any]:
         "pretrain_run_id": info.get("source_run_id") or info.get("mlflow_run_id"),
         "global_step": int(step) if step is not None else None,
         "checkpoint": info.get("checkpoint"),
+        "model_id": info.get("mlflow_model_id"),
     }
 
 

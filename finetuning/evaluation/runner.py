@@ -383,7 +383,6 @@ def run_suite(cfg: EvaluateConfig) -> SuiteResult:
     suite = load_checked_suite(cfg)
     output = Path(default_output(cfg, suite)).resolve()
     steps_of = plan_trials(cfg, suite)
-    output.mkdir(parents=True, exist_ok=True)
     with held(str(output), "bertpipe evaluate", LEASE_TIMEOUT_S):
         state = _open_folder(output, _record(cfg, suite), cfg.overwrite)
         uri = cfg.tracking.resolved_uri() if cfg.tracking.enabled else None
@@ -439,6 +438,7 @@ def _run(
             state["run_id"] = run_id
             _save_state(output, state)
         if run_id is not None:
+            tracking.log_inputs((), [model.model_id or ""])  # the model it evaluated
             _end_killed_trials(run_id, output)
         steps = [_step(cfg, t, model, output, run_id) for t in pending]
 

@@ -87,7 +87,6 @@ def watch_checkpoints(cfg: EvaluateConfig, checkpoints: str) -> list[int]:
     returns the global steps evaluated (this call and before)."""
     load_checked_suite(cfg)  # bad task files: one line now, not at the first checkpoint
     output = Path(_default_output(cfg, checkpoints)).resolve()
-    output.mkdir(parents=True, exist_ok=True)
     watch = cfg.watch
     with held(str(output), "bertpipe evaluate --watch", LEASE_TIMEOUT_S):
         state = _State(output / STATE)

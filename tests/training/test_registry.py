@@ -223,6 +223,8 @@ def test_export_and_finetune_log_and_register_models_that_load_without_bertpipe(
         scores[model] = summary["tasks"]
         suite_run = client.get_run(summary["run_id"])
         assert suite_run.data.tags["bertpipe.parent_run_id"] == pretrain_run
+        if model == str(export):  # the logged model it evaluated is the suite run's input
+            assert [m.model_id for m in suite_run.inputs.model_inputs] == [pre_model]
     assert scores["models:/bert-pre/1"] == scores[str(export)]
 
     # fine-tune from the export: lineage tag, the best model logged and registered
