@@ -3,21 +3,20 @@ corpus (:mod:`preprocessing.sample_corpus`) is made of, so nothing is downloaded
 
 Rows come from the docstrings of four standard-library packages (asyncio, email, tkinter,
 xml), cut into paragraphs (at blank lines, whitespace collapsed, at least 60 characters).
-The train/dev split is by a stable hash of the docstring's id, the same in every task, so the
-paragraphs of one docstring never straddle it. Every choice is a stable hash: the same Python
-gives the same files.
+The train/dev split is by a stable hash of the docstring's id, the same in every task, so no
+docstring straddles it. Every choice is a stable hash: the same Python gives the same files.
+Both tasks ask which package the text comes from (4 classes; columns ``text`` and
+``label``):
 
-* ``package`` (:func:`write_python_docs_task`): which package a paragraph comes from (4
-  classes; columns ``text``, ``label``). ``train_per_label`` keeps a fixed, class-balanced
-  subset of the training rows (the ones with the smallest stable hash per label): with few
-  labelled examples the task shows what pre-training is worth, where with all ~1,000 rows it
-  is lexical enough for a bag of words (0.95) and a randomly initialised BERT (up to 0.94).
-* ``next-paragraph`` (:func:`write_next_paragraph_task`): sentence pairs, the demo's NSP at
-  paragraph level: does ``second`` follow ``first`` in the same docstring (``next``), or is
-  it a later paragraph of another docstring (``other``)? Each first paragraph appears once
-  with its successor and once with a drawn paragraph, so the classes are balanced; the
-  ``second`` of both classes is never a docstring's opening paragraph (whose summary style
-  would give the answer away without reading ``first``).
+* ``package-paragraph`` (:func:`write_python_docs_task`): a paragraph. ``train_per_label``
+  keeps a fixed, class-balanced subset of the training rows (the ones with the smallest
+  stable hash per label): with few labelled examples the task shows what pre-training is
+  worth, where with all ~1,000 rows it is lexical enough for a bag of words (0.95) and a
+  randomly initialised BERT (up to 0.94).
+* ``package-sentence`` (:func:`write_sentence_task`): one sentence of such a paragraph (as
+  :func:`~preprocessing.sentences.split_sentences` cuts it, at least 40 characters), so
+  fewer words to go by; each sentence once per split, and none in dev that is also in
+  training. ``train_per_label`` as above.
 
 :func:`write_demo_suite` writes both into one folder with a ``suite.yaml`` naming them for
 ``bertpipe evaluate`` (:mod:`bertpipe.finetuning.evaluation.suite`). The files are TSV with a
@@ -34,28 +33,26 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from bertpipe import fsio
-from bertpipe.seeding import rng_for, stable_unit
+from bertpipe.seeding import stable_unit
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "LABELS",
-    "NEXT_LABELS",
     "SUITE_FILE",
     "SUITE_NAME",
     "write_demo_suite",
-    "write_next_paragraph_task",
     "write_python_docs_task",
+    "write_sentence_task",
 ]
 
 LABELS = ("asyncio", "email", "tkinter", "xml")
-"""The packages, and the ``package`` task's classes."""
-NEXT_LABELS = ("next", "other")
-"""The ``next-paragraph`` task's classes."""
+"""The packages: the tasks' classes."""
 SUITE_NAME = "python-docs"
 """The suite's name in ``bertpipe evaluate``'s runs and tables."""
 SUITE_FILE = "suite.yaml"
 _MIN_PARAGRAPH_CHARS = 60
+_MIN_SENTENCE_CHARS = 40
 _SPACES = re.compile(r"\s+")
 
 
@@ -90,9 +87,9 @@ def _write_tsv(
     url: str, header: Sequence[str], rows: Iterable[Sequence[str]], *, quoted: bool = False
 ) -> str:
     """Write a TSV file with a header row; returns ``url``. Unquoted (the table reader reads
-    ``.tsv`` so; paragraphs hold no tab or newline); ``quoted``: CSV quoting of fields with a
-    double quote, as the ``package`` task has always been written (the reader then keeps
-    those quotes as part of the text)."""
+    ``.tsv`` so; the texts hold no tab or newline); ``quoted``: CSV quoting of fields with a
+    double quote, as the ``package-paragraph`` task has always been written (the reader
+    then keeps those quotes as part of the text)."""
     if quoted:
         buf = io.StringIO()
         writer = csv.writer(buf, delimiter="\t", lineterminator="\n")
@@ -108,27 +105,23 @@ def _write_tsv(
 def write_python_docs_task(
     out_dir: str, dev_fraction: float = 0.2, train_per_label: int | None = None
 ) -> tuple[str, str]:
-    """Write the ``package`` task's ``train.tsv`` and ``dev.tsv`` under ``out_dir``; returns
-    their URLs.
+    """Write the ``package-paragraph`` task's ``train.tsv`` and ``dev.tsv`` under ``out_dir``;
+    returns their URLs.
 
     ``train_per_label``: keep only this many training rows per label (all dev rows are kept).
     """
     return _write_package(out_dir, _docstrings(dev_fraction), train_per_label)
 
 
-def write_next_paragraph_task(
+def write_sentence_task(
     out_dir: str, dev_fraction: float = 0.2, train_per_label: int | None = None
 ) -> tuple[str, str]:
-    """Write the ``next-paragraph`` task's ``train.tsv`` and ``dev.tsv`` (columns ``first``,
-    ``second``, ``label``) under ``out_dir``; returns their URLs.
+    """Write the ``package-sentence`` task's ``train.tsv`` and ``dev.tsv`` under ``out_dir``;
+    returns their URLs.
 
-    Every two consecutive paragraphs of a docstring give a ``next`` row, and the same first
-    paragraph with a later (not opening) paragraph of another docstring of the same split,
-    drawn by a stable hash, an ``other`` row. ``train_per_label``: keep only this many
-    training first paragraphs (the ones with the smallest stable hash), each with its two
-    rows, so this many rows per label (all dev rows are kept).
+    ``train_per_label``: keep only this many training rows per label (all dev rows are kept).
     """
-    return _write_next_paragraph(out_dir, _docstrings(dev_fraction), train_per_label)
+    return _write_sentences(out_dir, _docstrings(dev_fraction), train_per_label)
 
 
 def _write_package(
@@ -138,18 +131,13 @@ def _write_package(
     for doc in docs:
         rows[doc.split].extend((paragraph, doc.package) for paragraph in doc.paragraphs)
     if train_per_label is not None:
-        keep = set()
-        for label in LABELS:
-            mine = [i for i, (_, lab) in enumerate(rows["train"]) if lab == label]
-            mine.sort(key=lambda i: stable_unit("sample-task-subset", rows["train"][i][0]))
-            keep.update(mine[:train_per_label])
-        rows["train"] = [row for i, row in enumerate(rows["train"]) if i in keep]
+        rows["train"] = _balanced(rows["train"], train_per_label, "sample-task-subset")
     urls = [
         _write_tsv(fsio.join(out_dir, f"{split}.tsv"), ("text", "label"), rows[split], quoted=True)
         for split in ("train", "dev")
     ]
     log.info(
-        "package task: %d train and %d dev paragraphs, labels %s",
+        "package-paragraph task: %d train and %d dev paragraphs, labels %s",
         len(rows["train"]),
         len(rows["dev"]),
         ", ".join(LABELS),
@@ -157,66 +145,62 @@ def _write_package(
     return urls[0], urls[1]
 
 
-def _write_next_paragraph(
+def _write_sentences(
     out_dir: str, docs: Sequence[_Docstring], train_per_label: int | None
 ) -> tuple[str, str]:
-    rows: dict[str, list[tuple[str, str, str]]] = {}
-    for split in ("train", "dev"):
-        mine = [d for d in docs if d.split == split]
-        pool = [(d.doc_id, p) for d in mine for p in d.paragraphs[1:]]
-        pairs = [(d, i) for d in mine for i in range(len(d.paragraphs) - 1)]
-        if split == "train" and train_per_label is not None:
-            ranked = sorted(
-                range(len(pairs)),
-                key=lambda k: stable_unit("next-paragraph-subset", pairs[k][0].doc_id, pairs[k][1]),
-            )
-            pairs = [pairs[k] for k in sorted(ranked[:train_per_label])]
-        rows[split] = []
-        for doc, i in pairs:
-            first, second = doc.paragraphs[i], doc.paragraphs[i + 1]
-            others = [p for d, p in pool if d != doc.doc_id and p != second]
-            if not others:
-                raise ValueError(f"next-paragraph task: no other docstring in {split} to draw from")
-            other = others[int(rng_for("next-paragraph", doc.doc_id, i).integers(len(others)))]
-            rows[split] += [(first, second, NEXT_LABELS[0]), (first, other, NEXT_LABELS[1])]
-    header = ("first", "second", "label")
-    urls = [_write_tsv(fsio.join(out_dir, f"{s}.tsv"), header, rows[s]) for s in ("train", "dev")]
-    log.info(
-        "next-paragraph task: %d train and %d dev paragraph pairs",
-        len(rows["train"]),
-        len(rows["dev"]),
-    )
+    from bertpipe.preprocessing.sentences import split_sentences
+
+    rows: dict[str, dict[str, str]] = {"train": {}, "dev": {}}  # sentence -> package
+    for doc in docs:
+        for paragraph in doc.paragraphs:
+            for sentence in split_sentences(paragraph):
+                if len(sentence) >= _MIN_SENTENCE_CHARS:
+                    rows[doc.split].setdefault(sentence, doc.package)
+    train = list(rows["train"].items())
+    dev = [(text, label) for text, label in rows["dev"].items() if text not in rows["train"]]
+    if train_per_label is not None:
+        train = _balanced(train, train_per_label, "sentence-task-subset")
+    header = ("text", "label")
+    urls = [
+        _write_tsv(fsio.join(out_dir, f"{split}.tsv"), header, found)
+        for split, found in (("train", train), ("dev", dev))
+    ]
+    log.info("package-sentence task: %d train and %d dev sentences", len(train), len(dev))
     return urls[0], urls[1]
 
 
-def write_demo_suite(
-    out_dir: str,
-    train_per_label: int | None = 32,
-    pairs_per_label: int | None = 64,
-    dev_fraction: float = 0.2,
-) -> str:
-    """Write the ``package`` and ``next-paragraph`` tasks into ``out_dir/<task>/`` and
-    ``out_dir/suite.yaml`` naming them (paths relative to it, labels fixed, each scored by
-    dev accuracy) for ``bertpipe evaluate suite=<it>``; returns the YAML's URL.
+def _balanced(rows: list[tuple[str, str]], per_label: int, key: str) -> list[tuple[str, str]]:
+    """``per_label`` rows of each label (those whose text has the smallest stable hash under
+    ``key``), in their order in ``rows``."""
+    keep = set()
+    for label in LABELS:
+        mine = [i for i, (_, lab) in enumerate(rows) if lab == label]
+        mine.sort(key=lambda i: stable_unit(key, rows[i][0]))
+        keep.update(mine[:per_label])
+    return [row for i, row in enumerate(rows) if i in keep]
 
-    ``train_per_label``: the ``package`` task's training rows per label; ``pairs_per_label``:
-    the ``next-paragraph`` task's (None: all of them).
+
+def write_demo_suite(
+    out_dir: str, train_per_label: int | None = 32, dev_fraction: float = 0.2
+) -> str:
+    """Write the ``package-paragraph`` and ``package-sentence`` tasks into
+    ``out_dir/<task>/`` and ``out_dir/suite.yaml`` naming them (paths relative to it, labels
+    fixed, each scored by dev accuracy) for ``bertpipe evaluate suite=<it>``; returns the
+    YAML's URL.
+
+    ``train_per_label``: training rows per label of each task (None: all of them).
     """
     import yaml
 
-    tasks = [
-        ("package", _write_package, train_per_label, {"text_a": "text", "labels": list(LABELS)}),
-        (
-            "next-paragraph",
-            _write_next_paragraph,
-            pairs_per_label,
-            {"text_a": "first", "text_b": "second", "labels": list(NEXT_LABELS)},
-        ),
-    ]
     docs = _docstrings(dev_fraction)
     entries = []
-    for name, write, per_label, columns in tasks:
-        write(fsio.join(out_dir, name), docs, per_label)
+    # a sentence fits 64 tokens (the longest are cut, counted): half the paragraphs' cost
+    for name, write, length in (
+        ("package-paragraph", _write_package, 128),
+        ("package-sentence", _write_sentences, 64),
+    ):
+        write(fsio.join(out_dir, name), docs, train_per_label)
+        options = {"text_a": "text", "label": "label", "labels": list(LABELS)}
         entries.append(
             {
                 "name": name,
@@ -224,7 +208,7 @@ def write_demo_suite(
                 "train": f"{name}/train.tsv",
                 "dev": f"{name}/dev.tsv",
                 "score": "accuracy",
-                "task": {**columns, "label": "label"},
+                "task": {**options, "max_seq_length": length},
             }
         )
     url = fsio.join(out_dir, SUITE_FILE)

@@ -6,32 +6,65 @@ store under the output folder) at a size a laptop finishes in minutes. Each stag
 resolved config is written beside its outputs, so any step can be re-run by hand, e.g.
 ``bertpipe tokenizer train --config <out>/tokenizer/config.yaml``, ``bertpipe preprocess
 --config <out>/shards/preprocess.yaml``, ``bertpipe pretrain --config
-<out>/pretrain/pretrain.yaml``, ``bertpipe finetune --config
-<out>/finetune/pretrained/finetune.yaml``.
+<out>/pretrain/pretrain.yaml``, ``bertpipe evaluate --config
+<out>/evaluate/pretrained/evaluate.yaml``. It ends with a small evaluation suite
+(``<out>/tasks/suite.yaml``, two tasks made from the same documentation) fine-tuned from the
+pre-trained and from random weights, and the ``bertpipe runs compare --suites`` table of the
+two.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bertpipe import fsio
 from bertpipe.tracking import runs_page_url
+
+if TYPE_CHECKING:
+    from bertpipe.finetuning.evaluation.runner import SuiteResult
 
 log = logging.getLogger(__name__)
 
 __all__ = ["add_demo_command", "run_demo", "unigram_baseline"]
 
-FINETUNE_SEEDS = (1, 2, 3)
-"""Each initialisation is fine-tuned once per seed; the summary gives the mean and range."""
-TASK_TRAIN_PER_LABEL = 32
 EXPERIMENT = "bertpipe-demo"
-"""Labelled training paragraphs per package (128 in all): few enough that the task needs more
-than word identity learnt from scratch (see docs/training.md, "What pre-training buys")."""
+SEEDS = [1, 2, 3]
+"""Every task is fine-tuned once per seed from each initialisation; the summary gives the
+mean and standard deviation over them."""
+LEARNING_RATES = [2e-3]
+"""The demo protocol's grid: the tiny model's best rate on the paragraph task from either
+initialisation (docs/training.md, "What pre-training buys"). With more than one, the rate
+with the best mean dev score is chosen per task and model; each one more costs the suite's
+time again."""
+EPOCHS = 10
+BATCH_SIZE = 16
+PARALLEL = 1
+"""Trials at a time. One, in the demo's process with its 2 threads: on 2 cores two at a time
+with a thread each were no faster for this suite (both suites 91 and 109 s, against 95 and
+96 s one at a time), with the same scores."""
+TASK_TRAIN_PER_LABEL = 32
+"""Labelled training paragraphs (sentences) per package in each task (128 in all): few enough
+that the tasks need more than word identity learnt from scratch (see docs/training.md, "What
+pre-training buys")."""
+TASK_WHAT = {
+    "package-paragraph": "which package is a paragraph from?",
+    "package-sentence": "which package is a sentence from?",
+}
+"""What each task of the demo's suite asks, for the summary."""
+TAG_DEMO = "bertpipe.demo"
+"""Set on this demo's suite runs (and their trials), one value per demo run: its compare
+table shows them and not an earlier demo's runs in the same store."""
+MODELS = {"pretrained": False, "random-init": True}
+"""The suite's two models (``model_name``: ``random_init``): the export, and the same
+architecture from random weights."""
 
 
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
@@ -59,6 +92,7 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
     out.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'mlflow.db'}"
     common = [f"tracking.uri={uri}", f"tracking.experiment={EXPERIMENT}"]
+    demo_id = uuid.uuid4().hex[:12]
     results: dict[str, object] = {}
     steps: list[tuple[str, Callable[[], object]]] = [
         ("corpus", lambda: _corpus(out, documents)),
@@ -66,9 +100,9 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
         ("preprocess", lambda: _preprocess(out, common)),
         ("pretrain", lambda: _pretrain(out, common)),
         ("export", lambda: _export(out)),
-        ("task", lambda: _task(out)),
-        ("finetune-pretrained", lambda: _finetune_seeds(out, common, random_init=False)),
-        ("finetune-random", lambda: _finetune_seeds(out, common, random_init=True)),
+        ("tasks", lambda: _tasks(out)),
+        ("evaluate-pretrained", lambda: _evaluate(out, common, "pretrained", demo_id)),
+        ("evaluate-random-init", lambda: _evaluate(out, common, "random-init", demo_id)),
     ]
     started = time.monotonic()
     for name, step in steps:
@@ -77,6 +111,7 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
         results[name] = step()
         log.info("demo: %s done in %.1f s", name, time.monotonic() - t0)
     _print_summary(out, uri, results, time.monotonic() - started)
+    _compare(out, uri, demo_id)
     return results
 
 
@@ -177,70 +212,60 @@ def _export(out: Path) -> object:
     return export_checkpoint(str(out / "pretrain" / "checkpoints"), str(out / "bert-tiny-hf"))
 
 
-def _task(out: Path) -> tuple[str, str]:
-    from bertpipe.finetuning.sample_task import write_python_docs_task
+def _tasks(out: Path) -> str:
+    import shutil
 
-    return write_python_docs_task(str(out / "task"), train_per_label=TASK_TRAIN_PER_LABEL)
+    from bertpipe.finetuning.sample_task import write_demo_suite
+
+    if (out / "tasks").exists():  # no task of an earlier demo's suite left beside this one's
+        shutil.rmtree(out / "tasks")
+    return write_demo_suite(str(out / "tasks"), train_per_label=TASK_TRAIN_PER_LABEL)
 
 
-def _finetune_seeds(out: Path, common: list[str], *, random_init: bool) -> list[object]:
-    return [_finetune(out, common, random_init=random_init, seed=seed) for seed in FINETUNE_SEEDS]
-
-
-def _finetune(out: Path, common: list[str], *, random_init: bool, seed: int = 1) -> object:
-    """The Python-docs paragraph classification task, from the export or from random weights
-    (the same architecture): the comparison shows what pre-training is worth here."""
+def _evaluate(out: Path, common: list[str], name: str, demo_id: str) -> SuiteResult:
+    """The suite from the export (``pretrained``) or from the same architecture with random
+    weights (``random-init``): the comparison shows what pre-training is worth here."""
+    from bertpipe.cli_args import write_resolved_config
     from bertpipe.config import load_config
-    from bertpipe.finetuning.config import FinetuneConfig
-    from bertpipe.finetuning.run import run_finetuning
+    from bertpipe.finetuning.evaluation.config import EvaluateConfig
+    from bertpipe.finetuning.evaluation.runner import run_suite
 
-    name = f"{'random' if random_init else 'pretrained'}-seed{seed}"
     cfg = load_config(
-        FinetuneConfig,
+        EvaluateConfig,
         None,
         [
-            f"output={out / 'finetune' / name}",
-            "overwrite=true",  # a rerun of the demo replaces its previous fine-tuning runs
-            f"init_from={out / 'bert-tiny-hf'}",
-            f"random_init={str(random_init).lower()}",
-            "task.family=table",
-            "task.name=python-docs",
-            f"task.train={out / 'task' / 'train.tsv'}",
-            f"task.dev=[{out / 'task' / 'dev.tsv'}]",
-            "epochs=10",
-            "batch_size=16",
-            "learning_rate=2e-3",
-            f"seed={seed}",
-            f"tracking.run_name=demo-finetune-{name}",
+            f"model={out / 'bert-tiny-hf'}",
+            f"model_name={name}",
+            f"suite={out / 'tasks' / 'suite.yaml'}",
+            f"output={out / 'evaluate' / name}",
+            "overwrite=true",  # a rerun of the demo replaces its previous suite
+            f"finetune={{random_init: {str(MODELS[name]).lower()}}}",
+            f"protocol.learning_rates={LEARNING_RATES}",
+            f"protocol.seeds={SEEDS}",
+            f"protocol.epochs={EPOCHS}",
+            f"protocol.batch_size={BATCH_SIZE}",
+            f"parallel={PARALLEL}",
+            f"tracking.run_name=demo-evaluate-{name}",
+            f"tracking.tags={{{TAG_DEMO}: '{demo_id}'}}",
             *common,
         ],
     )
-    return run_finetuning(cfg)
+    result = run_suite(cfg)
+    write_resolved_config(cfg, result.output, "evaluate.yaml")
+    return result
 
 
-def _compare(out: Path, uri: str) -> None:
-    """The runs-compare table of the fine-tuning runs and their accuracy curves."""
-    import json
+def _compare(out: Path, uri: str, demo_id: str) -> None:
+    """The runs-compare table of this demo's two suite runs, and its bar plot."""
+    from bertpipe.app.compare import CompareQuery, print_suites
 
-    from bertpipe.app.compare import CompareQuery, print_comparison
-
-    # this demo's runs only: an earlier demo in the same folder left its runs in the store
-    export = json.loads((out / "bert-tiny-hf" / "bertpipe_export.json").read_text())
-    pretrain_run = export.get("source_run_id")
-    sys.stdout.write("\nFine-tuning runs (bertpipe runs compare):\n")
-    print_comparison(
-        CompareQuery(
-            experiment=EXPERIMENT,
-            tracking_uri=uri,
-            stage="finetune",
-            tags={"bertpipe.parent_run_id": pretrain_run} if pretrain_run else {},
-            metrics=["eval/accuracy", "eval/macro_f1", "train/loss"],
-            sort="eval/accuracy",
-        ),
-        plot=str(out / "finetune-accuracy.png"),
-        plot_metrics=["eval/accuracy", "train/loss"],
+    sys.stdout.write("\nThe suite runs (bertpipe runs compare --suites):\n")
+    print_suites(
+        CompareQuery(experiment=EXPERIMENT, tracking_uri=uri, tags={TAG_DEMO: demo_id}),
+        plot=str(out / "suite-scores.png"),
         width=0,
     )
+    sys.stdout.flush()
 
 
 def unigram_baseline(shards: Path) -> float:
@@ -299,20 +324,10 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
     lines.append(
         f"  export      {out / 'bert-tiny-hf'}  (transformers BertForPreTraining + tokenizer)"
     )
-    means = {}
-    for name in ("pretrained", "random"):
-        runs: list = results[f"finetune-{name}"]  # type: ignore[assignment]
-        metric = runs[0].main_metric
-        values = [r.metrics[metric] for r in runs]
-        means[name] = sum(values) / len(values)
-        lines.append(
-            f"  finetune    from {name + ' weights:':19s} dev {metric} mean {means[name]:.3f} "
-            f"(min {min(values):.3f}, max {max(values):.3f}; seeds "
-            f"{', '.join(f'{v:.3f}' for v in values)})"
-        )
-    lines.append(
-        f"  pre-training buys {means['pretrained'] - means['random']:+.3f} dev accuracy with "
-        f"{TASK_TRAIN_PER_LABEL} labelled paragraphs per class ({len(FINETUNE_SEEDS)} seeds each)"
+    lines += _suite_lines(
+        out,
+        results["evaluate-pretrained"],  # type: ignore[arg-type]
+        results["evaluate-random-init"],  # type: ignore[arg-type]
     )
     lines += [
         "",
@@ -326,4 +341,54 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
     ]
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
-    _compare(out, uri)
+
+
+def _suite_lines(out: Path, pretrained: SuiteResult, random: SuiteResult) -> list[str]:
+    """The suite's scores per task and on average from both initialisations, each the number
+    the compare table shows for it (dev accuracy x100, mean ± std over the seeds, at the
+    chosen learning rate)."""
+    ours, theirs = pretrained.scores, random.scores
+    grid = ", ".join(f"{lr:g}" for lr in LEARNING_RATES)
+    several = len(LEARNING_RATES) > 1
+    rate = f"each task's best learning rate of {grid}" if several else f"learning rate {grid}"
+    rows = [["", *MODELS, *(["chosen lr"] if several else []), ""]]
+    for mine, other in zip(ours.tasks, theirs.tasks, strict=True):
+        chosen = [f"{mine.learning_rate:g} / {other.learning_rate:g}"] if several else []
+        rows.append(
+            [
+                mine.task,
+                _score(mine.mean, mine.std),
+                _score(other.mean, other.std),
+                *chosen,
+                TASK_WHAT.get(mine.task, ""),
+            ]
+        )
+    average = [_score(ours.average, ours.average_std), _score(theirs.average, theirs.average_std)]
+    rows.append(["average", *average, *([""] if several else []), ""])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = [
+        f"  evaluate    suite {ours.suite} ({out / 'tasks' / 'suite.yaml'}, "
+        f"{TASK_TRAIN_PER_LABEL} training rows per class), outputs in {out / 'evaluate'}",
+        f"              dev accuracy x100 at the last of {EPOCHS} epochs (batch {BATCH_SIZE}), "
+        f"mean ± std over seeds {', '.join(map(str, SEEDS))},",
+        f"              at {rate}:",
+    ]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])]
+        cells += [cell.rjust(width) for cell, width in zip(row[1:3], widths[1:3], strict=True)]
+        cells += [cell.ljust(width) for cell, width in zip(row[3:-1], widths[3:], strict=True)]
+        lines.append(("              " + "  ".join([*cells, row[-1]])).rstrip())
+    # the difference of the two averages as shown (x100, one decimal), so that it adds up
+    gain = round(ours.average * 100, 1) - round(theirs.average * 100, 1)
+    lines.append(
+        f"  pre-training buys {gain:+.1f} points of dev accuracy on the suite average "
+        f"({len(ours.tasks)} tasks, {len(SEEDS)} seeds each)"
+    )
+    return lines
+
+
+def _score(mean: float, std: float) -> str:
+    """``mean ± std`` x100 as ``runs compare --suites`` shows it (``-`` where not finite)."""
+    from bertpipe.app.compare.suites import format_score
+
+    return format_score(*(value if math.isfinite(value) else None for value in (mean, std)))

@@ -387,7 +387,11 @@ def plot_suites(table: SuiteTable, out: str | None = None) -> Figure:
     ax.set_title(", ".join(table.suites))
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="best", ncols=1 if n <= 6 else 2)
-    fig.suptitle(f"experiment {table.experiment}: {table.description}", fontsize=10)
+    import textwrap  # the filter's description is long: wrapped to the figure's width
+
+    width = max(40, int(fig.get_figwidth() * 12))
+    title = f"experiment {table.experiment}: {table.description}"
+    fig.suptitle("\n".join(textwrap.wrap(title, width)), fontsize=9)
     if out is not None:
         save_figure(fig, out)
     return fig
