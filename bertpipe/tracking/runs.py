@@ -24,10 +24,11 @@ def download_model(model_uri: str, dst: str, tracking_uri: str | None = None) ->
     """Download the files of ``model_uri`` (``models:/NAME/VERSION``) into folder ``dst``."""
     import mlflow
 
-    if tracking_uri:
+    if tracking_uri:  # as connect() does; the registry is the tracking store's (not set apart)
         mlflow.set_tracking_uri(tracking_uri)
-        mlflow.set_registry_uri(tracking_uri)
-    mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=dst)
+    mlflow.artifacts.download_artifacts(
+        artifact_uri=model_uri, dst_path=dst, tracking_uri=tracking_uri, registry_uri=tracking_uri
+    )
 
 
 def model_version_run(model_uri: str, tracking_uri: str | None = None) -> str | None:
