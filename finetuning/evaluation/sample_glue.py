@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bertpipe.finetuning.evaluation.suite import GLUE_FOLDERS
+
 POSITIVE = ["good", "great", "yes", "won", "play"]
 NEGATIVE = ["bad", "terrible", "no", "rejects", "boycott"]
 NEUTRAL = [
@@ -129,17 +131,8 @@ HEADERS = {
     "rte": "index\tsentence1\tsentence2\tlabel",
     "wnli": "index\tsentence1\tsentence2\tlabel",
 }
-FOLDERS = {
-    "cola": "CoLA",
-    "sst2": "SST-2",
-    "mrpc": "MRPC",
-    "stsb": "STS-B",
-    "qqp": "QQP",
-    "mnli": "MNLI",
-    "qnli": "QNLI",
-    "rte": "RTE",
-    "wnli": "WNLI",
-}
+FOLDERS = {**GLUE_FOLDERS, "wnli": "WNLI"}
+"""Every task's download folder (WNLI too: a suite must leave it out)."""
 
 
 def write_glue(root: Path, train: int = 160, dev: int = 64, seed: int = 0) -> Path:
