@@ -14,6 +14,10 @@ neither matmul nor memory. Implementations, chosen by device and what is install
 * CPU: one dense attention per sequence (``torch.split``), with the faster CPU dropout of
   :mod:`bertpipe.training.model` when training.
 
+``window`` (ModernBERT's local layers): a query attends only to keys at distance <= window
+in its sequence; FlashAttention's ``window_size=(window, window)``, elsewhere the dense
+attention of each sequence longer than the window gets a band mask.
+
 Shapes: T packed tokens, A heads, D head size, B sequences.
 """
 
@@ -68,26 +72,42 @@ class Varlen:
         return cls(cu.to(device) if device is not None else cu, tuple(host.tolist()))
 
 
-def _dense_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """[A, L, D] x3 -> [A, L, D], no mask. Dropout through bertpipe.training.model.dropout on CPU
-    (SDPA's CPU kernels cannot drop attention weights)."""
+def band_mask(length: int, window: int | None, device: torch.device) -> Tensor | None:
+    """bool [L, L], True where |query - key| <= ``window``; None when nothing is masked."""
+    if window is None or length <= window + 1:
+        return None
+    index = torch.arange(length, device=device)
+    return (index[:, None] - index[None, :]).abs() <= window
+
+
+def _dense_attention(
+    q: Tensor, k: Tensor, v: Tensor, dropout_p: float, window: int | None = None
+) -> Tensor:
+    """[..., A, L, D] x3 -> [..., A, L, D], keys limited to ``window`` (None: all). Dropout
+    through bertpipe.training.model.dropout on CPU (SDPA's CPU kernels cannot drop attention
+    weights)."""
+    mask = band_mask(q.shape[-2], window, q.device)
     if dropout_p > 0 and q.device.type == "cpu":
         from bertpipe.training.model import dropout
 
         scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         return torch.matmul(dropout(scores.softmax(-1), dropout_p, True), v)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
 def per_sequence_attention(
-    q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, dropout_p: float
+    q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, dropout_p: float, window: int | None = None
 ) -> Tensor:
     """Dense attention per sequence, sequences of equal length batched into one call
     (instances cut at the phase's length are common): [T, A, D] x3 -> [T, A, D]."""
     lengths = varlen.lengths
     if len(set(lengths)) == len(lengths):
         outs = [
-            _dense_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), dropout_p)
+            _dense_attention(
+                qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1), dropout_p, window
+            )
             for qi, ki, vi in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
         ]
         return torch.cat(outs, dim=1).transpose(0, 1)
@@ -103,7 +123,7 @@ def per_sequence_attention(
             x.index_select(0, rows).view(len(firsts), length, A, D).transpose(1, 2)
             for x in (q, k, v)
         )  # [n, A, L, D]
-        out = _dense_attention(qg, kg, vg, dropout_p)
+        out = _dense_attention(qg, kg, vg, dropout_p, window)
         pieces.append(out.transpose(1, 2).reshape(-1, A, D))
         order.append(rows)
     rows = torch.cat(order)
@@ -139,23 +159,40 @@ def _flash_varlen() -> Callable[..., Tensor] | None:
 
 
 def _flash_attention(
-    fn: Callable[..., Any], q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, dropout_p: float
+    fn: Callable[..., Any],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    varlen: Varlen,
+    dropout_p: float,
+    window: int | None = None,
 ) -> Tensor:
     cu = varlen.cu_seqlens.to(torch.int32)
     m = varlen.max_seqlen
-    return fn(q, k, v, cu, cu, m, m, dropout_p=dropout_p)  # type: ignore[no-any-return]
+    if window is None:
+        return fn(q, k, v, cu, cu, m, m, dropout_p=dropout_p)  # type: ignore[no-any-return]
+    return fn(  # type: ignore[no-any-return]
+        q, k, v, cu, cu, m, m, dropout_p=dropout_p, window_size=(window, window)
+    )
 
 
 @torch.compiler.disable
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, dropout_p: float) -> Tensor:
-    """Attention within each packed sequence: [T, A, D] x3 -> [T, A, D] (see the module doc).
+def varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, varlen: Varlen, dropout_p: float, window: int | None = None
+) -> Tensor:
+    """Attention within each packed sequence: [T, A, D] x3 -> [T, A, D] (see the module doc),
+    keys limited to distance <= ``window`` when it is given.
 
     Left out of ``torch.compile`` graphs: it is already one fused kernel on a GPU, and the
     per-sequence CPU path depends on the batch's lengths.
     """
+    if window is not None and varlen.max_seqlen <= window + 1:
+        window = None  # every sequence fits the window: plain attention
     if q.device.type == "cpu":
-        return per_sequence_attention(q, k, v, varlen, dropout_p)
+        return per_sequence_attention(q, k, v, varlen, dropout_p, window)
     flash = _flash_varlen() if q.dtype in (torch.float16, torch.bfloat16) else None
     if flash is not None:
-        return _flash_attention(flash, q, k, v, varlen, dropout_p)
+        return _flash_attention(flash, q, k, v, varlen, dropout_p, window)
+    if window is not None:  # SDPA on nested tensors takes no mask
+        return per_sequence_attention(q, k, v, varlen, dropout_p, window)
     return nested_attention(q, k, v, varlen, dropout_p)

@@ -267,10 +267,12 @@ def _top(paths: dict[str, int], n: int = 12) -> dict[str, int]:
 
 def _model_config(cfg: Any) -> Any:
     """The model of the config as plan sizes it (no manifest: plan's default vocabulary)."""
-    from bertpipe.training.model import BertModelConfig
+    from bertpipe.training.families import preset_config
     from bertpipe.training.plan_options import DEFAULT_VOCAB_SIZE
 
-    return BertModelConfig.preset(cfg.model.preset, DEFAULT_VOCAB_SIZE, **cfg.model.overrides())
+    return preset_config(
+        cfg.model.resolved_family, cfg.model.preset, DEFAULT_VOCAB_SIZE, **cfg.model.overrides()
+    )
 
 
 # --------------------------------------------------------------------------- the runs

@@ -30,15 +30,30 @@ __all__ = [
 ]
 
 PRESET_NAMES = ("tiny", "mini", "small", "medium", "base", "large")
+MODERN_PRESET_NAMES = ("modernbert-base", "modernbert-large")
+# the fields only one family has, and their "not set" values
+_BERT_ONLY = {"pre_layer_norm": False, "position_embedding": "learned"}
+_MODERN_ONLY = ("local_attention", "global_attn_every_n_layers")
 
 
 @dataclass
 class ModelSpec:
-    """Which BERT to train: a size preset, optional changes, or weights to start from."""
+    """Which encoder to train: a family, a size preset, optional changes, or weights to start
+    from."""
 
-    preset: Literal["tiny", "mini", "small", "medium", "base", "large"] = "base"
+    family: Literal["bert", "modernbert"] | None = None
+    """``bert``: the paper's architecture (post-LN, learned positions, segments, NSP head).
+    ``modernbert``: ModernBERT's (Warner et al. 2024): RoPE, GeGLU, pre-norm without biases,
+    alternating global and sliding-window attention, MLM head only; exports as transformers'
+    ``ModernBertForMaskedLM``. Null: ``modernbert`` for the ``modernbert-*`` presets, else
+    ``bert``."""
+    preset: Literal[
+        "tiny", "mini", "small", "medium", "base", "large", "modernbert-base", "modernbert-large"
+    ] = "base"
     """Google's published sizes: tiny L2/H128, mini L4/H256, small L4/H512, medium L8/H512,
-    base L12/H768, large L24/H1024."""
+    base L12/H768, large L24/H1024 (with the modernbert family: these shapes with a GLU of
+    1.5 x hidden); ModernBERT's: modernbert-base L22/H768/GLU 1152, modernbert-large
+    L28/H1024/GLU 2624."""
     num_layers: int | None = None
     """Override the preset's layer count."""
     hidden_size: int | None = None
@@ -46,13 +61,19 @@ class ModelSpec:
     num_heads: int | None = None
     """Override the preset's head count."""
     intermediate_size: int | None = None
-    """Feed-forward width; null means 4 x hidden."""
+    """Feed-forward width; null means the preset's (BERT: 4 x hidden)."""
     max_position_embeddings: int = 512
     """Longest sequence any phase may use."""
-    hidden_dropout: float = 0.1
-    """Dropout on embeddings and on each sub-layer's output."""
-    attention_dropout: float = 0.1
-    """Dropout on the attention probabilities."""
+    hidden_dropout: float | None = None
+    """Dropout on embeddings and on each sub-layer's output (modernbert: on the embeddings
+    and inside the GLU). Null: the family's, 0.1 for bert, 0 for modernbert."""
+    attention_dropout: float | None = None
+    """Dropout on the attention probabilities (modernbert: and after the attention's output
+    projection). Null: 0.1 for bert, 0 for modernbert."""
+    local_attention: int | None = None
+    """modernbert: width of the sliding window of the local layers (null: 128)."""
+    global_attn_every_n_layers: int | None = None
+    """modernbert: every n-th layer (from the first) attends globally (null: 3)."""
     pre_layer_norm: bool = False
     """Pre-LN instead of the paper's post-LN (not exportable to transformers)."""
     position_embedding: Literal["learned", "sinusoidal"] = "learned"
@@ -70,17 +91,45 @@ class ModelSpec:
     """Start from weights: an HF BERT folder (config.json + model.safetensors) or a bertpipe
     export. Null: BERT initialisation (normal, std 0.02)."""
 
+    def __post_init__(self) -> None:
+        family = self.resolved_family
+        if family == "bert" and self.preset in MODERN_PRESET_NAMES:
+            raise ConfigError(
+                "preset", f"{self.preset} is a modernbert size: set family=modernbert or null"
+            )
+        if family == "modernbert":
+            for key, unset in _BERT_ONLY.items():
+                if getattr(self, key) != unset:
+                    raise ConfigError(key, "is a bert setting: modernbert is pre-norm with RoPE")
+        else:
+            for key in _MODERN_ONLY:
+                if getattr(self, key) is not None:
+                    raise ConfigError(key, "is a modernbert setting: set family=modernbert")
+
+    @property
+    def resolved_family(self) -> str:
+        """The family, ``modernbert`` for its presets when not given."""
+        if self.family is not None:
+            return self.family
+        return "modernbert" if self.preset in MODERN_PRESET_NAMES else "bert"
+
     def overrides(self) -> dict[str, object]:
-        """Fields to pass on top of the preset to ``BertModelConfig``."""
+        """Fields to pass on top of the preset to the family's model config
+        (``BertModelConfig`` or ``ModernBertModelConfig``)."""
         out: dict[str, object] = {
             "max_position_embeddings": self.max_position_embeddings,
-            "hidden_dropout": self.hidden_dropout,
-            "attention_dropout": self.attention_dropout,
-            "pre_layer_norm": self.pre_layer_norm,
-            "position_embedding": self.position_embedding,
             "activation_checkpointing": self.activation_checkpointing,
         }
-        for key in ("num_layers", "hidden_size", "num_heads", "intermediate_size"):
+        if self.resolved_family == "modernbert":
+            if self.hidden_dropout is not None:
+                out["embedding_dropout"] = out["mlp_dropout"] = self.hidden_dropout
+            keys: tuple[str, ...] = ("attention_dropout", *_MODERN_ONLY)
+        else:
+            out["pre_layer_norm"] = self.pre_layer_norm
+            out["position_embedding"] = self.position_embedding
+            keys = ("hidden_dropout", "attention_dropout")
+        keys += ("num_layers", "hidden_size", "num_heads", "intermediate_size")
+        for key in keys:
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
@@ -101,19 +150,40 @@ class PhaseSpec:
     """Sequences per GPU per forward pass."""
     global_batch_size: int = 256
     """Sequences per optimizer step over all GPUs: micro x accumulation x world size."""
+    batch_warmup_steps: int = 0
+    """Batch-size warmup (GPT-3, ModernBERT): over the phase's first N optimizer steps the
+    global batch grows linearly from ``batch_warmup_start`` to ``global_batch_size``, in whole
+    micro-batches per rank (the micro batch stays; the accumulation grows); step N + 1 on
+    takes the full batch. 0: the full batch from the first step."""
+    batch_warmup_start: int | None = None
+    """The global batch of the phase's first step under batch warmup: a multiple of
+    micro_batch_size x world size, at most ``global_batch_size``. Null: one micro-batch per
+    rank (micro_batch_size x world size)."""
     learning_rate: float = 1e-4
     """Peak learning rate, reached at the end of warmup."""
     warmup: float = 0.01
     """Warmup length: a fraction of max_steps if < 1, else a number of steps."""
-    decay: Literal["linear", "poly"] = "linear"
-    """After warmup, decay to zero linearly (the paper) or as (1 - progress)^power (NVIDIA)."""
+    decay: Literal["linear", "poly", "wsd"] = "linear"
+    """After warmup, decay to zero linearly (the paper) or as (1 - progress)^power (NVIDIA);
+    or ``wsd``, warmup-stable-decay (a trapezoid: ModernBERT; Hägele et al. 2024; MiniCPM):
+    held at the peak, then a cooldown over the last ``decay_fraction`` of the steps, shaped
+    by ``decay_shape``, to ``min_lr_ratio`` of the peak."""
     decay_power: float = 0.5
     """Exponent of the poly decay."""
     decay_from: Literal["warmup", "start"] = "warmup"
     """``start``: the decay curve is (1 - u/total)^power of update u from the first update, and
     warmup ramps linearly to the peak under it, so the first update after warmup is already
     below the peak, as in NVIDIA's PolyWarmUpScheduler (and Google's BERT, whose TF code reads
-    the curve one update earlier). ``warmup``: the decay starts at the peak after warmup."""
+    the curve one update earlier). ``warmup``: the decay starts at the peak after warmup
+    (``wsd`` takes only this)."""
+    decay_fraction: float = 0.2
+    """``wsd``: the cooldown's share of the steps (of all phases' with schedule=continuous),
+    in (0, 1]; at least one step. Hägele et al. find 10-20 % enough."""
+    decay_shape: Literal["1-sqrt", "linear"] = "1-sqrt"
+    """``wsd``: the cooldown's curve in its progress p (0 -> 1): ``1-sqrt``, 1 - sqrt(p)
+    (Hägele et al.'s best, ModernBERT's), or ``linear``, 1 - p."""
+    min_lr_ratio: float = 0.0
+    """``wsd``: where the cooldown ends, a fraction of the peak in [0, 1]."""
     optimizer_state: Literal["keep", "reset"] = "keep"
     """For a phase after the first: keep the optimizer moments of the previous phase (as
     NVIDIA's BERT recipe does) or start them afresh. The schedule restarts unless the run's
@@ -133,12 +203,73 @@ class PhaseSpec:
             raise ConfigError("warmup", "is a fraction (< 1) or a whole number of steps")
         if self.warmup_steps() > self.max_steps:
             raise ConfigError("warmup", f"{self.warmup_steps()} steps exceed max_steps")
+        self._check_wsd()
+        self._check_batch_warmup()
+
+    def _check_wsd(self) -> None:
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError("decay_fraction", f"{self.decay_fraction} must be in (0, 1]")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError("min_lr_ratio", f"{self.min_lr_ratio} must be in [0, 1]")
+        if self.decay != "wsd":
+            if self.min_lr_ratio:
+                raise ConfigError(
+                    "min_lr_ratio", f"applies to decay=wsd; {self.decay} decays to 0: set it to 0"
+                )
+            return
+        if self.decay_from != "warmup":
+            raise ConfigError(
+                "decay_from",
+                "wsd holds the peak after warmup, then cools down: use decay_from=warmup",
+            )
+
+    def _check_batch_warmup(self) -> None:
+        if self.batch_warmup_steps < 0:
+            raise ConfigError("batch_warmup_steps", "must be at least 0")
+        if self.batch_warmup_steps > self.max_steps:
+            raise ConfigError(
+                "batch_warmup_steps",
+                f"{self.batch_warmup_steps} exceeds max_steps ({self.max_steps})",
+            )
+        start = self.batch_warmup_start
+        if start is None:
+            return
+        if not self.batch_warmup_steps:
+            raise ConfigError(
+                "batch_warmup_start",
+                "is set but batch_warmup_steps is 0: give the steps the batch grows over",
+            )
+        if not self.micro_batch_size <= start <= self.global_batch_size:
+            raise ConfigError(
+                "batch_warmup_start",
+                f"{start} must be between micro_batch_size ({self.micro_batch_size}) and "
+                f"global_batch_size ({self.global_batch_size})",
+            )
 
     def warmup_steps(self) -> int:
         return round(self.warmup * self.max_steps) if self.warmup < 1 else int(self.warmup)
 
+    def cooldown_steps(self, total: int) -> int:
+        """``wsd``: the cooldown's length in optimizer steps, ``decay_fraction`` of ``total``
+        (this phase's ``max_steps``, or all phases' with schedule=continuous), at least 1."""
+        return max(1, round(self.decay_fraction * total))
+
+    def check_cooldown(self, total: int) -> None:
+        """``wsd``: the warmup and the cooldown must fit in ``total`` steps (one line naming
+        ``decay_fraction`` otherwise)."""
+        if self.decay != "wsd":
+            return
+        warmup, cooldown = self.warmup_steps(), self.cooldown_steps(total)
+        if warmup + cooldown > total:
+            raise ConfigError(
+                "decay_fraction",
+                f"the cooldown ({cooldown} steps, {self.decay_fraction:g} of {total}) overlaps "
+                f"the warmup ({warmup} steps): lower decay_fraction or warmup",
+            )
+
     def accumulation(self, world_size: int) -> int:
-        """Gradient accumulation steps for ``world_size``; raises if the batch does not divide."""
+        """Gradient accumulation steps for ``world_size`` at the full batch; raises if the
+        batch (or the batch warmup's first batch) does not divide."""
         per_step = self.micro_batch_size * world_size
         if self.global_batch_size % per_step:
             raise ConfigError(
@@ -147,7 +278,32 @@ class PhaseSpec:
                 f"{self.micro_batch_size} x {world_size} = {per_step}; choose a multiple, e.g. "
                 f"{per_step * max(1, round(self.global_batch_size / per_step))}",
             )
+        start = self.batch_warmup_start
+        if start is not None and start % per_step:
+            raise ConfigError(
+                "batch_warmup_start",
+                f"{start} is not a multiple of micro_batch_size x world size = "
+                f"{self.micro_batch_size} x {world_size} = {per_step}; choose a multiple, e.g. "
+                f"{per_step * max(1, round(start / per_step))}",
+            )
         return self.global_batch_size // per_step
+
+    def accumulation_at(self, step: int, world_size: int) -> int:
+        """Micro-batches per rank of the phase's optimizer step ``step`` (from 1) on
+        ``world_size`` ranks: under batch warmup ``a0 + (a - a0) * (step - 1) //
+        batch_warmup_steps`` for the first ``batch_warmup_steps`` steps (``a0`` that of
+        ``batch_warmup_start``, ``a`` the full accumulation: a linear ramp of the global
+        batch, rounded down to whole micro-batches per rank), ``a`` after them."""
+        full = self.accumulation(world_size)
+        if step > self.batch_warmup_steps:
+            return full
+        per_step = self.micro_batch_size * world_size
+        first = (self.batch_warmup_start or per_step) // per_step
+        return first + (full - first) * (step - 1) // self.batch_warmup_steps
+
+    def global_batch_at(self, step: int, world_size: int) -> int:
+        """Sequences over all ranks of the phase's optimizer step ``step`` (from 1)."""
+        return self.accumulation_at(step, world_size) * self.micro_batch_size * world_size
 
 
 @dataclass
@@ -366,6 +522,11 @@ def check_engine_settings(
         )
 
 
+# the settings of a phase's learning-rate curve: one curve over all phases with
+# schedule=continuous, so every phase must repeat phase 1's
+_CURVE_KEYS = ("decay", "decay_power", "decay_from", "decay_fraction", "decay_shape", "min_lr_ratio")
+
+
 @dataclass
 class PretrainConfig:
     """``bertpipe pretrain``: BERT pre-training with DeepSpeed, one or two phases."""
@@ -380,7 +541,8 @@ class PretrainConfig:
     schedule: Literal["per_phase", "continuous"] = "per_phase"
     """``per_phase``: each phase has its own warmup and decay (NVIDIA's recipe).
     ``continuous``: one warmup (phase 1's) and one decay over the steps of all phases, at
-    phase 1's peak learning rate (the BERT paper: 1M steps, 90% of them at 128 tokens)."""
+    phase 1's peak learning rate (the BERT paper: 1M steps, 90% of them at 128 tokens); with
+    ``decay: wsd`` the cooldown is the last ``decay_fraction`` of all phases' steps."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     precision: Literal["fp32", "fp16", "bf16"] = "bf16"
@@ -429,12 +591,13 @@ class PretrainConfig:
                         f"phases[{i}].warmup",
                         "with schedule=continuous only the first phase warms up: set it to 0",
                     )
-                for key in ("decay", "decay_power", "decay_from"):
+                for key in _CURVE_KEYS:
                     if getattr(phase, key) != getattr(first, key):
                         raise ConfigError(
                             f"phases[{i}].{key}",
                             f"with schedule=continuous it must equal phases[0].{key}",
                         )
+        self._check_cooldowns()
         if self.only_phase is not None and self.only_phase not in names:
             raise ConfigError("only_phase", f"must be one of {names}")
         check_engine_settings(self.optimizer, self.zero, self.precision, self.mixed_precision)
@@ -442,6 +605,19 @@ class PretrainConfig:
             raise ConfigError("log_every_steps", "must be at least 1")
         if self.max_bad_steps < 1:
             raise ConfigError("max_bad_steps", "must be at least 1")
+
+    def _check_cooldowns(self) -> None:
+        """``wsd``: warmup and cooldown fit in each phase (one curve over all phases' steps
+        with schedule=continuous)."""
+        if self.schedule == "continuous":
+            spans = [(0, self.phases[0], sum(p.max_steps for p in self.phases))]
+        else:
+            spans = [(i, p, p.max_steps) for i, p in enumerate(self.phases)]
+        for i, phase, total in spans:
+            try:
+                phase.check_cooldown(total)
+            except ConfigError as exc:
+                raise exc.with_prefix(f"phases[{i}]") from None
 
     @property
     def checkpoint_dir(self) -> str:

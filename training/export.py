@@ -1,10 +1,10 @@
 """``bertpipe export``: a pre-training checkpoint -> a folder ``transformers`` loads.
 
-The folder holds ``config.json`` and ``model.safetensors`` (``BertForPreTraining``, the
-vocabulary padding stripped) plus the tokenizer's ``vocab.txt``, ``tokenizer.json`` and
-``tokenizer_config.json``, so ``BertForPreTraining.from_pretrained(folder)`` and
-``BertTokenizerFast.from_pretrained(folder)`` both work, and so does ``model.init_from`` of
-bertpipe's own pre-training and fine-tuning.
+The folder holds ``config.json`` and ``model.safetensors`` (``BertForPreTraining``, or
+``ModernBertForMaskedLM`` for the modernbert family, the vocabulary padding stripped) plus the
+tokenizer's ``vocab.txt``, ``tokenizer.json`` and ``tokenizer_config.json``, so
+``AutoModelForMaskedLM.from_pretrained(folder)`` and ``AutoTokenizer.from_pretrained(folder)``
+both work, and so does ``model.init_from`` of bertpipe's own pre-training and fine-tuning.
 
 Weights come from the fp32 master copies where DeepSpeed keeps them (ZeRO 1-3:
 ``deepspeed.utils.zero_to_fp32``), else from the module weights of the model-states file
@@ -36,7 +36,7 @@ import torch
 from bertpipe import fsio, staging, tracking
 from bertpipe.errors import BertpipeError
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.model import BertForPreTraining, BertModelConfig
+from bertpipe.training.families import config_from_dict, pretraining_model
 
 log = logging.getLogger(__name__)
 
@@ -100,18 +100,19 @@ def _local_module_weights(folder: str, tag: str, zero_stage: int) -> dict[str, t
 
 def load_checkpoint_model(
     folder: str, tag: str | None = None
-) -> tuple[BertForPreTraining, ckpt.CheckpointState]:
-    """Our model with the weights of checkpoint ``tag`` (default: ``latest``), in fp32."""
+) -> tuple[torch.nn.Module, ckpt.CheckpointState]:
+    """Our model (``BertForPreTraining`` or ``ModernBertForMaskedLM``, as the checkpoint
+    records) with the weights of checkpoint ``tag`` (default: ``latest``), in fp32."""
     tag = tag or ckpt.latest_tag(folder)
     if tag is None:
         raise ExportError(f"{folder} has no `latest` checkpoint: pass --tag global_stepN")
     state, _ = ckpt.read_state(folder, tag, 0)
     if not state.model:
         raise ExportError(f"{folder}/{tag} does not record its model config")
-    model = BertForPreTraining(BertModelConfig(**state.model))
+    model = pretraining_model(config_from_dict(state.model))
     weights = _module_weights(folder, tag, state.zero_stage)
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if k != "cls.predictions.decoder.weight"]  # tied
+    missing = [k for k in missing if k not in ("cls.predictions.decoder.weight", "decoder.weight")]
     if missing or unexpected:
         raise ExportError(
             f"{folder}/{tag} does not match its model config: missing {missing[:5]}, "
@@ -198,7 +199,7 @@ def export_checkpoint(
 
 
 def _write_export(
-    model: BertForPreTraining,
+    model: torch.nn.Module,
     state: ckpt.CheckpointState,
     folder: str,
     tag: str,
@@ -208,10 +209,12 @@ def _write_export(
     extra: dict[str, bytes],
 ) -> dict[str, Any]:
     """The HF folder and its ``bertpipe_export.json`` in local folder ``target``."""
-    from bertpipe.preprocessing.tokenizer import tokenizer_checksum
+    from bertpipe.preprocessing.tokenizer import SpecialTokens, tokenizer_checksum
     from bertpipe.training.hf import save_hf_folder
 
-    save_hf_folder(model, target, extra_files=extra)
+    specials = SpecialTokens.from_tokenizer(tok, source)
+    token_ids = {"cls": specials.cls, "sep": specials.sep, "pad": specials.pad}
+    save_hf_folder(model, target, extra_files=extra, token_ids=token_ids)
     info: dict[str, Any] = {
         "checkpoint": f"{folder}/{tag}",
         "global_step": state.global_step,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bertpipe.training.model_config import BertModelConfig
+from bertpipe.training.modern_config import ModernBertModelConfig
 
 __all__ = ["PEAK_TFLOPS", "mfu", "peak_flops", "training_flops", "training_flops_per_sequence"]
 
@@ -45,7 +46,10 @@ _DTYPE_ALIASES = {
 
 
 def training_flops_per_sequence(
-    cfg: BertModelConfig, seq_len: int, num_masked: int, activation_checkpointing: bool = False
+    cfg: BertModelConfig | ModernBertModelConfig,
+    seq_len: int,
+    num_masked: int,
+    activation_checkpointing: bool = False,
 ) -> float:
     """FLOPs of one training step (forward + backward) for one sequence.
 
@@ -63,13 +67,17 @@ def training_flops_per_sequence(
                  + L * layer            (only with activation checkpointing: the encoder's
                                          forward runs again in the backward pass)
 
+    ModernBERT: the feed-forward is a GeGLU (``3 * 2*S*H*I``), there is no pooler or NSP
+    classifier, and a local layer scores each query against the keys of its window only
+    (``2 * 2*S*min(S, 2*window + 1)*H``, the work of windowed FlashAttention).
+
     Without checkpointing this is the model FLOPs of MFU; with it, the hardware FLOPs.
     """
     return training_flops(cfg, [seq_len], num_masked, activation_checkpointing)
 
 
 def training_flops(
-    cfg: BertModelConfig,
+    cfg: BertModelConfig | ModernBertModelConfig,
     lengths: Sequence[int] | np.ndarray,
     num_masked: int,
     activation_checkpointing: bool = False,
@@ -82,8 +90,16 @@ def training_flops(
     V = cfg.padded_vocab_size
     S = np.asarray(lengths, dtype=np.float64)
     tokens, squares = float(S.sum()), float((S * S).sum())
+    mlm = num_masked * (2 * H * H + 2 * H * V)
+    if isinstance(cfg, ModernBertModelConfig):
+        # GeGLU: Wi (H -> 2I) and Wo (I -> H); local layers score keys within the window only
+        n_global = sum(cfg.is_global(i) for i in range(L))
+        local = float((S * np.minimum(S, 2 * cfg.window + 1)).sum())
+        attention = 2 * 2 * H * (n_global * squares + (L - n_global) * local)
+        encoder = L * (4 * 2 * H * H + 3 * 2 * H * I) * tokens + attention
+        return float(3 * (encoder + mlm) + (encoder if activation_checkpointing else 0))
     encoder = L * ((4 * 2 * H * H + 2 * 2 * H * I) * tokens + 2 * 2 * H * squares)
-    heads = S.size * (2 * H * H + 2 * H * 2) + num_masked * (2 * H * H + 2 * H * V)
+    heads = S.size * (2 * H * H + 2 * H * 2) + mlm
     forward = encoder + heads
     return float(3 * forward + (encoder if activation_checkpointing else 0))
 

@@ -11,6 +11,10 @@ checkpoints, ``pytorch_model.bin``). Parameter names are the same on both sides 
   ``BertModel`` checkpoint (``embeddings.*``, ``encoder.*``, ``pooler.*``) get the ``bert.``
   prefix.
 
+ModernBERT folders (``model_type: modernbert``, :mod:`bertpipe.training.modern_hf`) go
+through the same functions: their names are transformers' too (``model.``-prefixed encoder,
+``head.*``, ``decoder.bias``; the decoder weight is tied to ``model.embeddings.tok_embeddings``).
+
 Paths are plain local paths; callers copy from or to remote storage themselves.
 """
 
@@ -28,6 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from bertpipe.training.model import BertModelConfig
+from bertpipe.training.modern_config import ModernBertModelConfig, is_modern
+
+ModelConfig = BertModelConfig | ModernBertModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ SAFETENSORS_NAME = "model.safetensors"
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 TORCH_BIN_NAME = "pytorch_model.bin"
 # aliases of bert.embeddings.word_embeddings.weight and cls.predictions.bias
-TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "decoder.weight")
 ARCHITECTURES = (
     "BertForPreTraining",
     "BertModel",
@@ -55,8 +62,10 @@ ARCHITECTURES = (
 )
 
 
-def check_exportable(cfg: BertModelConfig) -> None:
+def check_exportable(cfg: ModelConfig) -> None:
     """Raise ValueError if transformers' BertModel has no equivalent of ``cfg``."""
+    if isinstance(cfg, ModernBertModelConfig):
+        return
     if cfg.pre_layer_norm:
         raise ValueError(
             "cannot export a pre-LayerNorm model to transformers' BERT format: BertModel is "
@@ -70,12 +79,17 @@ def check_exportable(cfg: BertModelConfig) -> None:
 
 
 def hf_config_dict(
-    cfg: BertModelConfig,
+    cfg: ModelConfig,
     architecture: str = "BertForPreTraining",
     num_labels: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """A transformers ``BertConfig`` as written to config.json (vocab_size is the real size)."""
+    """A transformers ``BertConfig`` (or ``ModernBertConfig``) as written to config.json
+    (vocab_size is the real size)."""
+    if isinstance(cfg, ModernBertModelConfig):
+        from bertpipe.training import modern_hf
+
+        return modern_hf.hf_config_dict(cfg, architecture, num_labels, dtype)
     check_exportable(cfg)
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; known: {ARCHITECTURES}")
@@ -107,8 +121,12 @@ def hf_config_dict(
     return out
 
 
-def config_from_hf(data: Mapping[str, Any], pad_vocab_multiple: int = 8) -> BertModelConfig:
-    """The :class:`BertModelConfig` of a transformers BERT config.json mapping."""
+def config_from_hf(data: Mapping[str, Any], pad_vocab_multiple: int = 8) -> ModelConfig:
+    """The model config of a transformers BERT (or ModernBERT) config.json mapping."""
+    if data.get("model_type") == "modernbert":
+        from bertpipe.training import modern_hf
+
+        return modern_hf.config_from_hf(data, pad_vocab_multiple)
     if data.get("model_type", "bert") != "bert":
         raise ValueError(f"not a BERT checkpoint: model_type={data.get('model_type')!r}")
     if data.get("hidden_act", "gelu") != "gelu":
@@ -139,7 +157,7 @@ def export_state_dict(model: nn.Module) -> dict[str, Tensor]:
     holding a :class:`BertModelConfig`): vocab padding stripped, tied aliases dropped, each
     tensor a contiguous copy (so safetensors accepts them and later training cannot alter them).
     """
-    cfg: BertModelConfig = model.config  # type: ignore[assignment]
+    cfg: ModelConfig = model.config  # type: ignore[assignment]
     check_exportable(cfg)
     out: dict[str, Tensor] = {}
     for key, value in model.state_dict().items():
@@ -155,9 +173,12 @@ def save_hf_folder(
     model: nn.Module,
     out_dir: str | os.PathLike[str],
     extra_files: Mapping[str, bytes] | None = None,
+    token_ids: Mapping[str, int] | None = None,
 ) -> Path:
     """Write config.json, model.safetensors and ``extra_files`` (name -> bytes, e.g. vocab.txt,
-    tokenizer.json) into ``out_dir``; returns the folder."""
+    tokenizer.json) into ``out_dir``; returns the folder. ``token_ids``: the tokenizer's
+    ``cls``/``sep``/``pad``/``mask`` ids, written into a ModernBERT config.json (whose
+    defaults are ModernBERT's own vocabulary's)."""
     from safetensors.torch import save_file
 
     architecture = type(model).__name__
@@ -169,6 +190,11 @@ def save_hf_folder(
         getattr(model, "num_labels", None),
         dtype,
     )
+    if token_ids and is_modern(model.config):
+        config.update({f"{k}_token_id": v for k, v in token_ids.items() if k != "mask"})
+        for kind, special in (("bos", "cls"), ("eos", "sep")):
+            if special in token_ids:
+                config[f"{kind}_token_id"] = token_ids[special]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name in extra_files or {}:
@@ -187,9 +213,10 @@ def save_hf_folder(
 
 def load_hf_folder(
     path: str | os.PathLike[str], pad_vocab_multiple: int = 8
-) -> tuple[BertModelConfig, dict[str, Tensor]]:
-    """Read a transformers BERT folder: its config and its weights with canonical names
-    (``bert.``-prefixed, ``LayerNorm.weight/bias``), vocabulary not yet padded."""
+) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """Read a transformers BERT (or ModernBERT) folder: its config and its weights with
+    canonical names (``bert.``/``model.``-prefixed, ``LayerNorm.weight/bias``), vocabulary not
+    yet padded."""
     folder = Path(path)
     config = config_from_hf(json.loads((folder / CONFIG_NAME).read_text()), pad_vocab_multiple)
     if (folder / SAFETENSORS_NAME).exists():
@@ -212,14 +239,31 @@ def load_hf_folder(
     return config, canonical_names(raw)
 
 
+# per family: the encoder's prefix in a model with heads, and its core (never optional) parts
+_PREFIX = {
+    "bert": ("bert.", ("embeddings", "encoder")),
+    "modernbert": ("model.", ("embeddings", "layers", "final_norm")),
+}
+_BARE = {
+    "embeddings": "bert.",
+    "encoder": "bert.",
+    "pooler": "bert.",
+    "layers": "model.",
+    "final_norm": "model.",
+}
+
+
 def canonical_names(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Map older transformers names to current ones (``gamma``/``beta``, missing ``bert.``)."""
+    """Map older transformers names to current ones (``gamma``/``beta``) and a bare encoder's
+    names to those of a model with heads (``bert.``; ``model.`` for ModernBERT)."""
+    modern = any(k.split(".", 1)[0] in ("layers", "final_norm", "model") for k in state_dict)
     out: dict[str, Tensor] = {}
     for key, value in state_dict.items():
         name = key.replace("LayerNorm.gamma", "LayerNorm.weight")
         name = name.replace("LayerNorm.beta", "LayerNorm.bias")
-        if name.split(".", 1)[0] in ("embeddings", "encoder", "pooler"):
-            name = "bert." + name
+        first = name.split(".", 1)[0]
+        if first in _BARE:
+            name = ("model." if modern else _BARE[first]) + name
         out[name] = value
     return out
 
@@ -244,18 +288,19 @@ def load_into(
     (pooler, MLM/NSP heads, task heads) raise only with ``strict_heads``, else they keep
     their initialisation and are reported. Unexpected keys are reported and ignored.
     """
-    cfg: BertModelConfig = model.config  # type: ignore[assignment]
+    cfg: ModelConfig = model.config  # type: ignore[assignment]
+    prefix, core_parts = _PREFIX[getattr(cfg, "family", "bert")]
     target = model.state_dict()
     source = canonical_names(state_dict)
     if "cls.predictions.bias" not in source and "cls.predictions.decoder.bias" in source:
         source["cls.predictions.bias"] = source["cls.predictions.decoder.bias"]
-    bare = not any(k.startswith("bert.") for k in target)
+    bare = not any(k.startswith(prefix) for k in target)
     mapped: dict[str, Tensor] = {}
     unexpected: list[str] = []
     for key, value in source.items():
         if key in TIED_KEYS:
             continue
-        name = key.removeprefix("bert.") if bare else key
+        name = key.removeprefix(prefix) if bare else key
         if name not in target:
             unexpected.append(key)
             continue
@@ -270,9 +315,7 @@ def load_into(
             )
         mapped[name] = value
     missing = [k for k in target if k not in mapped and k not in TIED_KEYS]
-    core = [
-        k for k in missing if k.removeprefix("bert.").split(".")[0] in ("embeddings", "encoder")
-    ]
+    core = [k for k in missing if k.removeprefix(prefix).split(".")[0] in core_parts]
     if core or (missing and strict_heads):
         raise ValueError(f"checkpoint lacks {len(missing)} weights of the model: {missing[:8]}")
     model.load_state_dict(mapped, strict=False)
@@ -284,4 +327,6 @@ def load_into(
 
 
 def _is_vocab_key(key: str) -> bool:
-    return key.endswith("word_embeddings.weight") or key.endswith("predictions.bias")
+    return key.endswith(
+        ("word_embeddings.weight", "predictions.bias", "tok_embeddings.weight")
+    ) or (key == "decoder.bias")

@@ -34,16 +34,22 @@ class Window:
         self.steps = 0
         self.lr = 0.0
         self.started = time.monotonic()
+        self.has_nsp = True
 
     def add(self, out: Any, stats: BatchStats, accumulation: int) -> None:
+        """One micro-batch's output; a model without NSP (``nsp_loss`` None) adds no NSP
+        terms, and :meth:`reduce` then reports none."""
+        nsp = out.nsp_loss is not None
+        self.has_nsp = nsp
+        zero = out.mlm_count.new_zeros((), dtype=torch.float64)
         values = torch.stack(
             [
                 out.loss.detach().double() / accumulation,
                 out.mlm_loss.detach().double() / accumulation,
-                out.nsp_loss.detach().double() / accumulation,
+                out.nsp_loss.detach().double() / accumulation if nsp else zero,
                 out.mlm_correct.double(),
                 out.mlm_count.double(),
-                out.nsp_correct.double(),
+                out.nsp_correct.double() if nsp else zero,
             ]
         )
         self.sums += values
@@ -65,7 +71,7 @@ class Window:
         total = dict(zip(self.FIELDS + self.HOST_FIELDS, values.tolist(), strict=True))
         seconds = max(time.monotonic() - self.started, 1e-9)
         steps = max(self.steps, 1)
-        return {
+        out = {
             "loss": total["loss"] / steps / world,
             "mlm_loss": total["mlm_loss"] / steps / world,
             "nsp_loss": total["nsp_loss"] / steps / world,
@@ -78,6 +84,9 @@ class Window:
             "padded_tflops_per_device": total["padded_flops"] / seconds / world / 1e12,
             "data_wait_fraction": total["data_wait"] / world / seconds,
         }
+        if not self.has_nsp:
+            del out["nsp_loss"], out["nsp_accuracy"]
+        return out
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:

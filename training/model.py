@@ -390,8 +390,8 @@ class BertPreTrainingHeads(nn.Module):
 class PreTrainingOutput:
     mlm_logits: Tensor
     """[N, V] at ``mlm_positions``, or [B, S, V] when no positions were given."""
-    nsp_logits: Tensor
-    """[B, 2]; class 0 = B follows A, 1 = B is random."""
+    nsp_logits: Tensor | None
+    """[B, 2]; class 0 = B follows A, 1 = B is random (None: a model without NSP)."""
     loss: Tensor | None = None
     """mlm_loss + nsp_loss (only the terms whose labels were given)."""
     mlm_loss: Tensor | None = None

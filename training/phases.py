@@ -11,13 +11,14 @@ import dataclasses
 
 from bertpipe.config import ConfigError
 from bertpipe.training.config import PretrainConfig
+from bertpipe.training.families import ModelConfig, preset_config
 from bertpipe.training.manifest import DataMismatchError, PhaseData
-from bertpipe.training.model import BertModelConfig
+from bertpipe.training.modern_config import ModernBertModelConfig
 
 __all__ = ["model_config"]
 
 
-def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> BertModelConfig:
+def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> ModelConfig:
     """The model's config: the preset, the config's changes, the data's vocabulary."""
     first = data[0].manifest
     for d in data[1:]:
@@ -31,19 +32,22 @@ def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> BertModelConfig:
 
         model_cfg, _ = load_hf_folder(cfg.model.init_from)
         # the architecture is the checkpoint's; how it is trained is this config's
-        model_cfg = dataclasses.replace(
-            model_cfg,
-            hidden_dropout=cfg.model.hidden_dropout,
-            attention_dropout=cfg.model.attention_dropout,
-            activation_checkpointing=cfg.model.activation_checkpointing,
-        )
+        model_cfg = dataclasses.replace(model_cfg, **_training_settings(cfg, model_cfg))
+        family = getattr(model_cfg, "family", "bert")
+        if cfg.model.family is not None and cfg.model.family != family:
+            raise ConfigError(
+                "model.family",
+                f"is {cfg.model.family} but model.init_from holds a {family} model: set "
+                f"model.family={family} (or null)",
+            )
         if model_cfg.vocab_size != first["vocab_size"]:
             raise DataMismatchError(
                 f"model.init_from has a vocabulary of {model_cfg.vocab_size}, the data "
                 f"{first['vocab_size']}: use the tokenizer the model was trained with"
             )
     else:
-        model_cfg = BertModelConfig.preset(
+        model_cfg = preset_config(
+            cfg.model.resolved_family,
             cfg.model.preset,
             vocab_size=int(first["vocab_size"]),
             pad_token_id=int(first["special_token_ids"]["pad"]),
@@ -58,3 +62,18 @@ def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> BertModelConfig:
                 "model.max_position_embeddings",
             )
     return model_cfg
+
+
+def _training_settings(cfg: PretrainConfig, model_cfg: ModelConfig) -> dict[str, object]:
+    """What this config sets of a checkpoint's architecture: dropout and recomputation."""
+    out: dict[str, object] = {"activation_checkpointing": cfg.model.activation_checkpointing}
+    hidden, attention = cfg.model.hidden_dropout, cfg.model.attention_dropout
+    if isinstance(model_cfg, ModernBertModelConfig):
+        if hidden is not None:
+            out["embedding_dropout"] = out["mlp_dropout"] = hidden
+        if attention is not None:
+            out["attention_dropout"] = attention
+        return out
+    out["hidden_dropout"] = 0.1 if hidden is None else hidden
+    out["attention_dropout"] = 0.1 if attention is None else attention
+    return out

@@ -23,8 +23,8 @@ from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
 from bertpipe.formatting import format_hmm
 from bertpipe.training.config import PretrainConfig
+from bertpipe.training.families import ModelConfig, preset_config
 from bertpipe.training.flops import peak_flops, training_flops_per_sequence
-from bertpipe.training.model_config import BertModelConfig
 from bertpipe.training.plan_data import DataPlan, data_plan, read_manifest
 from bertpipe.training.plan_memory import (
     GIB,
@@ -294,9 +294,11 @@ def make_plan(
     )
 
 
-def _model_config(cfg: PretrainConfig, vocab_size: int) -> BertModelConfig:
+def _model_config(cfg: PretrainConfig, vocab_size: int) -> ModelConfig:
     try:
-        return BertModelConfig.preset(cfg.model.preset, vocab_size, **cfg.model.overrides())
+        return preset_config(
+            cfg.model.resolved_family, cfg.model.preset, vocab_size, **cfg.model.overrides()
+        )
     except ConfigError as exc:
         raise exc.with_prefix("model") from None
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from bertpipe.config import ConfigError
 from bertpipe.training.model_config import BertModelConfig
+from bertpipe.training.modern_config import ModernBertModelConfig, is_modern
 
 __all__ = [
     "ALLREDUCE_BUCKET_ELEMENTS",
@@ -100,7 +101,7 @@ class ActivationBytes:
 
 
 def activation_bytes(
-    cfg: BertModelConfig,
+    cfg: BertModelConfig | ModernBertModelConfig,
     seq_len: int,
     micro_batch: int,
     num_masked: int,
@@ -122,6 +123,10 @@ def activation_bytes(
     dropout masks. The model's SDPA kernels keep no s x s matrix (a log-sum-exp of a·s·b
     floats, left out), so the second line is off by default.
 
+    ModernBERT (no dropout, no NSP): ``layer = s·b·e·(7h + 4I)``: the two pre-norm inputs, the
+    Q/K/V input, Q, K, V, the attention output, and the GeGLU's 2I projection, GELU output and
+    gated product (4I).
+
     Activation checkpointing keeps only each layer's input, plus one layer's full set while
     it is recomputed in the backward pass: ``L·e·s·b·h + layer``.
 
@@ -135,6 +140,8 @@ def activation_bytes(
     s, b = seq_len, micro_batch
     h, inter, a = cfg.hidden_size, cfg.ffn_size, cfg.num_heads
     layer = s * b * (e * (8 * h + 2 * inter) + 2 * h)
+    if is_modern(cfg):  # no dropout by default; GeGLU keeps Wi's 2I output, GELU's and the product
+        layer = s * b * e * (7 * h + 4 * inter)
     if attention_scores_stored:
         layer += a * s * s * b * (2 * e + 1)
     # checkpointing: the layer inputs stay, one layer's activations exist while it is redone
@@ -142,7 +149,7 @@ def activation_bytes(
     encoder += layer if checkpointing else 0
     embeddings = s * b * (e * h + h)
     n = b * num_masked
-    head = n * (4 * e * h + cfg.padded_vocab_size * (e + 8)) + b * 3 * e * h
+    head = n * (4 * e * h + cfg.padded_vocab_size * (e + 8)) + b * 3 * e * h * (not is_modern(cfg))
     return ActivationBytes(
         per_layer=layer,
         encoder=encoder,
@@ -186,7 +193,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(
-    cfg: BertModelConfig,
+    cfg: BertModelConfig | ModernBertModelConfig,
     *,
     precision: str,
     zero_stage: int,

@@ -41,6 +41,7 @@ from bertpipe.training.ckpt_manager import CheckpointManager, Position, StageSta
 from bertpipe.training.config import PretrainConfig
 from bertpipe.training.data import build_pretraining_data
 from bertpipe.training.engine import DistInfo, EngineSpec, build_engine, init_distributed
+from bertpipe.training.families import pretraining_model
 from bertpipe.training.faults import Faults
 from bertpipe.training.flops import mfu, peak_flops
 from bertpipe.training.guard import NonFiniteError, SkipGuard
@@ -48,7 +49,7 @@ from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.loop import run_loop
 from bertpipe.training.manifest import DataError, PhaseData, read_phase_data
 from bertpipe.training.metrics import Window, loss_scale, memory_metrics
-from bertpipe.training.model import BertForPreTraining, compile_layers
+from bertpipe.training.model import compile_layers
 from bertpipe.training.optim import client_optimizer
 from bertpipe.training.peers import watched
 from bertpipe.training.phases import model_config
@@ -112,10 +113,10 @@ class Trainer:
             return None
         return peak_flops(torch.cuda.get_device_name(self.info.device), self.cfg.precision)
 
-    def new_model(self) -> BertForPreTraining:
+    def new_model(self) -> torch.nn.Module:
         """The phase's model: the same initial weights on every rank, compiled if asked."""
         torch.manual_seed(self.cfg.seed)  # the same initial weights on every rank
-        model = BertForPreTraining(self.model_cfg)
+        model = pretraining_model(self.model_cfg)
         if self.cfg.model.init_from:
             from bertpipe.training.hf import load_hf_folder, load_into
 
@@ -412,18 +413,23 @@ class PhaseStage:
         if bar is not None and bar.tty:
             bar.update(step, f"loss {metrics['loss']:.4f} lr {metrics['lr']:.2e}", force=True)
             return
+        nsp = (
+            (f" nsp {metrics['nsp_loss']:.4f}", f" nsp_acc {metrics['nsp_accuracy']:.3f}")
+            if "nsp_loss" in metrics
+            else ("", "")
+        )
         log.info(
-            "%s step %d/%d (global %d): loss %.4f mlm %.4f nsp %.4f mlm_acc %.3f nsp_acc %.3f "
-            "lr %.3e %.1f seq/s | %s",
+            "%s step %d/%d (global %d): loss %.4f mlm %.4f%s mlm_acc %.3f%s lr %.3e "
+            "%.1f seq/s | %s",
             self.name,
             step,
             self.max_steps,
             global_step,
             metrics["loss"],
             metrics["mlm_loss"],
-            metrics["nsp_loss"],
+            nsp[0],
             metrics["mlm_accuracy"],
-            metrics["nsp_accuracy"],
+            nsp[1],
             metrics["lr"],
             metrics["samples_per_s"],
             bar.line(step) if bar is not None else "",
@@ -453,7 +459,7 @@ class PhaseStage:
         engine.train()
         metrics = window.reduce(trainer.world)
         keys = ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "nsp_accuracy")
-        self.metrics = {k: metrics[k] for k in keys}
+        self.metrics = {k: metrics[k] for k in keys if k in metrics}
         if trainer.info.is_main:
             global_step = trainer.progress.global_step
             log.info(
