@@ -191,10 +191,20 @@ class BertForTokenClassification(BertTaskModel):
         return TokenClassifierOutput(logits=logits, loss=loss)
 
 
-def build_head(spec: TaskSpec, config: BertModelConfig, dropout: float | None) -> BertTaskModel:
+def build_head(spec: TaskSpec, config: Any, dropout: float | None) -> BertTaskModel:
     """The task model of ``spec``'s kind (freshly initialised): span QA, token labels, or
     sequence classification/regression with ``spec.num_labels`` outputs; ``dropout`` before
-    the task layer (None: the encoder's hidden dropout)."""
+    the task layer (None: the encoder's hidden dropout; 0 for ModernBERT, transformers'
+    default). A ModernBERT config gets the ``ModernBertFor*`` models of
+    :mod:`bertpipe.finetuning.modern_heads`."""
+    if getattr(config, "family", "bert") == "modernbert":
+        from bertpipe.finetuning import modern_heads as modern
+
+        if spec.kind == "span_qa":
+            return modern.ModernBertForQuestionAnswering(config, dropout)
+        if spec.kind == "token_labels":
+            return modern.ModernBertForTokenClassification(config, spec.num_labels, dropout)
+        return modern.ModernBertForSequenceClassification(config, spec.num_labels, dropout)
     if spec.kind == "span_qa":
         return BertForQuestionAnswering(config)
     if spec.kind == "token_labels":

@@ -92,7 +92,8 @@ def _load_hf_initialisation(cfg: FinetuneConfig, source: Path, url: str) -> Init
         lineage = json.loads((source / "bertpipe_export.json").read_text())
     hf_config = json.loads((source / "config.json").read_text())
     labels = None
-    if any(a != "BertForPreTraining" for a in hf_config.get("architectures", [])):
+    pretraining = ("BertForPreTraining", "ModernBertForMaskedLM")
+    if any(a not in pretraining for a in hf_config.get("architectures", [])):
         id2label = hf_config.get("id2label") or {}
         labels = [id2label[k] for k in sorted(id2label, key=int)] or None
     return Initialisation(
@@ -133,7 +134,18 @@ def load_task_model(folder: str | Path) -> BertTaskModel:
     model_cfg, weights = load_hf_folder(folder)
     num_labels = len(hf_config.get("id2label") or {}) or 1
     model: BertTaskModel
-    if architecture == "BertForQuestionAnswering":
+    if architecture.startswith("ModernBert"):
+        from bertpipe.finetuning import modern_heads as modern
+
+        if architecture == "ModernBertForQuestionAnswering":
+            model = modern.ModernBertForQuestionAnswering(model_cfg)  # type: ignore[arg-type]
+        elif architecture == "ModernBertForTokenClassification":
+            model = modern.ModernBertForTokenClassification(model_cfg, num_labels)  # type: ignore[arg-type]
+        elif architecture == "ModernBertForSequenceClassification":
+            model = modern.ModernBertForSequenceClassification(model_cfg, num_labels)  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"{folder} holds a {architecture} model, not a task model")
+    elif architecture == "BertForQuestionAnswering":
         model = BertForQuestionAnswering(model_cfg)
     elif architecture == "BertForTokenClassification":
         model = BertForTokenClassification(model_cfg, num_labels)

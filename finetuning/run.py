@@ -67,6 +67,7 @@ from bertpipe.training.engine import (
     engine_spec,
     init_distributed,
 )
+from bertpipe.training.families import with_dropout
 from bertpipe.training.faults import Faults
 from bertpipe.training.guard import SkipGuard
 from bertpipe.training.hardware import check_hardware, local_hardware
@@ -168,10 +169,7 @@ class Finetuner:
         self.info = info
         self.micro = cfg.micro_batch(info.world_size)
         self.init = load_initialisation(cfg)
-        changes: dict[str, Any] = {}
-        if cfg.hidden_dropout is not None:
-            changes["hidden_dropout"] = changes["attention_dropout"] = cfg.hidden_dropout
-        self.model_cfg = dataclasses.replace(self.init.model_cfg, **changes)
+        self.model_cfg = with_dropout(self.init.model_cfg, cfg.hidden_dropout)
         self.tokenizer = load_tokenizer(self.init.tokenizer_dir)
         check_tokenizer(self.tokenizer, self.init, self.model_cfg)
         self.data = load_task(cfg.task, self.tokenizer, self.model_cfg.max_position_embeddings)

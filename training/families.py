@@ -8,6 +8,7 @@ config or the pre-training model of either.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,14 @@ from bertpipe.training.modern_config import ModernBertModelConfig, is_modern
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["ModelConfig", "config_from_dict", "is_modern", "pretraining_model", "preset_config"]
+__all__ = [
+    "ModelConfig",
+    "config_from_dict",
+    "is_modern",
+    "preset_config",
+    "pretraining_model",
+    "with_dropout",
+]
 
 ModelConfig = BertModelConfig | ModernBertModelConfig
 
@@ -46,3 +54,14 @@ def pretraining_model(cfg: ModelConfig) -> nn.Module:
     from bertpipe.training.model import BertForPreTraining
 
     return BertForPreTraining(cfg)
+
+
+def with_dropout(cfg: ModelConfig, p: float | None) -> ModelConfig:
+    """``cfg`` with every dropout of the encoder at ``p`` (None: unchanged)."""
+    if p is None:
+        return cfg
+    if isinstance(cfg, ModernBertModelConfig):
+        names = ("embedding_dropout", "attention_dropout", "mlp_dropout")
+    else:
+        names = ("hidden_dropout", "attention_dropout")
+    return dataclasses.replace(cfg, **dict.fromkeys(names, p))

@@ -42,6 +42,10 @@ ARCHITECTURE_TASKS = {
     "BertForSequenceClassification": "text-classification",
     "BertForTokenClassification": "token-classification",
     "BertForQuestionAnswering": "question-answering",
+    "ModernBertForMaskedLM": "fill-mask",
+    "ModernBertForSequenceClassification": "text-classification",
+    "ModernBertForTokenClassification": "token-classification",
+    "ModernBertForQuestionAnswering": "question-answering",
 }
 """The ``transformers`` pipeline task of each architecture bertpipe writes."""
 
@@ -79,7 +83,7 @@ def pip_requirements() -> list[str]:
 def hf_task(folder: str | os.PathLike[str]) -> str:
     """The ``transformers`` pipeline task of the HF folder ``folder``, from its config.json's
     architecture. ``question-answering`` is ``feature-extraction`` (the model loads as the same
-    ``BertForQuestionAnswering``) where transformers has no question-answering pipeline (5.x)."""
+    ``*ForQuestionAnswering``) where transformers has no question-answering pipeline (5.x)."""
     config = json.loads((Path(folder) / "config.json").read_text())
     architecture = (config.get("architectures") or ["?"])[0]
     if architecture not in ARCHITECTURE_TASKS:

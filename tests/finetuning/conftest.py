@@ -83,3 +83,30 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     lineage = {"mlflow_run_id": "pretrain-run-123", "data_sha256": {"phase1": "abc"}}
     (folder / "bertpipe_export.json").write_text(json.dumps(lineage))
     return folder
+
+
+@pytest.fixture(scope="session")
+def modern_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny ModernBERT exported like `bertpipe export` does (local window 16 tokens)."""
+    from bertpipe.preprocessing.tokenizer import build_from_vocab, save_tokenizer
+    from bertpipe.training.hf import save_hf_folder
+    from bertpipe.training.modern_model import ModernBertForMaskedLM, ModernBertModelConfig
+
+    folder = tmp_path_factory.mktemp("modernbert")
+    tokenizer = build_from_vocab(list(dict.fromkeys(VOCAB)))
+    save_tokenizer(tokenizer, str(folder), lowercase=True)
+    torch.manual_seed(0)
+    cfg = ModernBertModelConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        num_layers=3,
+        num_heads=2,
+        intermediate_size=48,
+        local_attention=16,
+        max_position_embeddings=128,
+    )
+    extra = {n: (folder / n).read_bytes() for n in ("vocab.txt", "tokenizer.json")}
+    save_hf_folder(ModernBertForMaskedLM(cfg), folder, extra_files=extra)
+    lineage = {"mlflow_run_id": "pretrain-run-456", "data_sha256": {"phase1": "def"}}
+    (folder / "bertpipe_export.json").write_text(json.dumps(lineage))
+    return folder
