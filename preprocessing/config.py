@@ -91,11 +91,14 @@ class PhaseConfig:
 class MaskingConfig:
     """Masked-LM recipe."""
 
-    mode: Literal["static", "none"] = "static"
+    mode: Literal["static", "none"] | None = None
     """``static``: masks written into the shards (a new draw per dupe); ``none``: shards
-    hold unmasked text and the training loader masks at load time (dynamic masking)."""
+    hold unmasked text and the training loader masks at load time (dynamic masking). Null
+    follows the objective: ``static`` for ``mlm+nsp`` (the BERT paper's), ``none`` for
+    ``mlm`` (RoBERTa's dynamic masking); the resolved value is what the manifest records."""
     masked_lm_prob: float = 0.15
-    """Share of each instance's tokens to predict."""
+    """Share of each instance's tokens to predict (at most ``max_predictions_per_seq``): 0.15
+    in BERT, 0.3 in the modern recipe (ModernBERT, after MosaicBERT)."""
     mask_token_prob: float = 0.8
     """Of the chosen tokens, share replaced by [MASK]."""
     random_token_prob: float = 0.1
@@ -120,7 +123,7 @@ def _default_phases() -> list[PhaseConfig]:
 
 @dataclass
 class PreprocessConfig:
-    """``bertpipe preprocess``: documents to masked-LM + NSP instances in WebDataset shards."""
+    """``bertpipe preprocess``: documents to masked-LM (+ NSP) instances in WebDataset shards."""
 
     input: InputConfig = field(default_factory=InputConfig)
     """The corpus."""
@@ -138,14 +141,29 @@ class PreprocessConfig:
     """Phases written by one run from one tokenization of the corpus."""
     seed: int = 12345
     """Seeds every random choice, through stable hashes of what it decides."""
+    objective: Literal["mlm+nsp", "mlm"] = "mlm+nsp"
+    """``mlm+nsp``: the BERT paper's sentence pairs ``[CLS] A [SEP] B [SEP]`` with the NSP
+    label (``short_seq_prob``, ``random_next_prob``). ``mlm``: masked LM alone (RoBERTa,
+    ModernBERT): whole sentences packed into ``[CLS] ... [SEP]`` instances as ``packing``
+    says, one segment, no NSP label, dynamic masking unless ``masking.mode`` says otherwise."""
+    packing: Literal["full_sentences", "doc_sentences"] = "full_sentences"
+    """``mlm`` only, RoBERTa's names: ``full_sentences`` packs full sentences contiguously
+    from one or more documents (in a random order of the documents, new each dupe pass), with
+    an extra ``[SEP]`` where it crosses a document boundary; ``doc_sentences`` packs the same
+    way without crossing one (each document alone: shorter instances at its end). A sentence
+    longer than an instance is cut into pieces, not dropped."""
     dupe_factor: int = 5
-    """Passes over the corpus, each with new pairs and masks."""
+    """Passes over the corpus, each with new pairs (``mlm``: a new document order) and masks."""
     short_seq_prob: float = 0.1
-    """Probability that a document pass uses a random shorter target length."""
+    """``mlm+nsp`` only: probability that a document pass uses a random shorter target
+    length."""
     random_next_prob: float = 0.5
-    """Probability that segment B comes from another document."""
-    min_sentences: int = 2
-    """Documents with fewer sentences are skipped (and counted)."""
+    """``mlm+nsp`` only: probability that segment B comes from another document."""
+    min_sentences: int | None = None
+    """Documents with fewer sentences are skipped (and counted as ``documents_too_short``).
+    Null follows the objective: 2 for ``mlm+nsp`` (a pair needs a sentence on each side; a
+    single-sentence chunk would get a random B every time), 1 for ``mlm`` (a one-sentence
+    document packs as well as any)."""
     masking: MaskingConfig = field(default_factory=MaskingConfig)
     heldout_fraction: float = 0.01
     """Share of documents (by stable hash of the id) written to the held-out split."""
@@ -187,8 +205,14 @@ class PreprocessConfig:
                 raise ConfigError(key, "must be between 0 and 1")
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ConfigError("heldout_fraction", "must be in [0, 1)")
+        if self.min_sentences is None:
+            self.min_sentences = 1 if self.objective == "mlm" else 2
         if self.min_sentences < 1:
-            raise ConfigError("min_sentences", "must be at least 1")
+            raise ConfigError("min_sentences", "must be at least 1 (or null)")
+        if self.masking.mode is None:
+            self.masking.mode = "none" if self.objective == "mlm" else "static"
+        if self.objective == "mlm":
+            self._check_prediction_budget()
         for key in ("bucket_mb", "split_mb", "target_shard_mb"):
             if getattr(self, key) <= 0:
                 raise ConfigError(key, "must be positive")
@@ -196,6 +220,24 @@ class PreprocessConfig:
             raise ConfigError("instances_per_sample", "must be at least 1")
         if self.min_shards < 1:
             raise ConfigError("min_shards", "must be at least 1")
+
+    def _check_prediction_budget(self) -> None:
+        """``mlm``: every phase must take ``masked_lm_prob`` of a full instance. (``mlm+nsp``
+        keeps the paper's cap: Google's recipe allows 76 predictions at 512 tokens and 0.15,
+        under the 77 it would ask for.)"""
+        prob = self.masking.masked_lm_prob
+        for i, phase in enumerate(self.phases):
+            # the most positions masking asks for: masking.py's np.round(length * prob),
+            # which rounds halves to even as round() does
+            need = round(phase.max_seq_length * prob)
+            if phase.max_predictions_per_seq < need:
+                raise ConfigError(
+                    f"phases[{i}].max_predictions_per_seq",
+                    f"is {phase.max_predictions_per_seq}, below masking.masked_lm_prob x "
+                    f"max_seq_length = {prob} x {phase.max_seq_length} = "
+                    f"{phase.max_seq_length * prob:g}: raise it to at least "
+                    f"{need} (or lower masking.masked_lm_prob)",
+                )
 
     # ---- derived values (deterministic functions of the config and the input sizes) ----
 

@@ -45,6 +45,7 @@ from bertpipe.config import to_dict
 from bertpipe.preprocessing.config import PhaseConfig, PreprocessConfig
 from bertpipe.preprocessing.instances import DocumentSet, TokenizedDoc, assemble, create_pairs
 from bertpipe.preprocessing.masking import MaskingSpec, mask_block
+from bertpipe.preprocessing.packing import SentenceTable, assemble_packed, pack_sentences
 from bertpipe.preprocessing.ranges import ReadRange
 from bertpipe.preprocessing.readers import Document, read_documents
 from bertpipe.preprocessing.shard_format import (
@@ -288,7 +289,7 @@ class ReadTokenizeFn(beam.DoFn):
             doc_ids = [x for x in ids[pos : pos + len(doc.sentences)] if x]
             pos += len(doc.sentences)
             counts["sentences_empty_after_tokenization"] += len(doc.sentences) - len(doc_ids)
-            if len(doc_ids) < cfg.min_sentences:
+            if len(doc_ids) < (cfg.min_sentences or 1):  # resolved by the config
                 counts["documents_too_short"] += 1
                 continue
             lengths = np.fromiter(map(len, doc_ids), dtype=np.int32, count=len(doc_ids))
@@ -415,6 +416,7 @@ class CreateInstancesFn(beam.DoFn):
         )
         docset = DocumentSet.from_docs(docs)
         del docs
+        table = SentenceTable.from_docset(docset) if cfg.objective == "mlm" else None
         for phase in cfg.phases:
             counts: Counter[str] = Counter()
             num_shards = plan.shards[phase.name][split]
@@ -427,9 +429,11 @@ class CreateInstancesFn(beam.DoFn):
                 parts = _ShardParts(out, part_url, bucket)
                 for dupe in range(cfg.dupe_factor):
                     spread = rng_for(cfg.seed, "spread", phase.name, split, bucket, dupe)
-                    for piece, block in enumerate(
-                        self._instances(docset, phase, split, bucket, dupe, counts)
-                    ):
+                    if table is None:
+                        blocks = self._instances(docset, phase, split, bucket, dupe, counts)
+                    else:
+                        blocks = self._packed(docset, table, phase, split, bucket, dupe, counts)
+                    for piece, block in enumerate(blocks):
                         n = len(block)
                         order = spread.permutation(n)
                         shard_of = (dealt + np.arange(n)) % num_shards
@@ -486,6 +490,46 @@ class CreateInstancesFn(beam.DoFn):
             counts["instance_tokens"] += int(block.tokens.size)
             counts["masked_tokens"] += int(block.info[:, NUM_MASKED].sum())
             counts["random_next"] += int(block.info[:, RANDOM_NEXT].sum())
+            yield block
+
+    def _packed(
+        self,
+        docset: DocumentSet,
+        table: SentenceTable,
+        phase: PhaseConfig,
+        split: str,
+        bucket: int,
+        dupe: int,
+        counts: Counter[str],
+    ) -> Iterator[InstanceBlock]:
+        """One pass of the ``mlm`` objective over the bucket: its documents in a new order
+        (per phase, split, bucket and dupe), packed as ``cfg.packing`` says, assembled and
+        masked in pieces of ``CHUNK_INSTANCES`` as :meth:`_instances` does."""
+        plan, cfg = self._plan, self._plan.cfg
+        order = rng_for(cfg.seed, "pack", phase.name, split, bucket, dupe).permutation(len(table))
+        spec = pack_sentences(
+            table,
+            order,
+            max_seq_length=phase.max_seq_length,
+            cross_documents=cfg.packing == "full_sentences",
+            counts=counts,
+        )
+        mask_rng = rng_for(cfg.seed, "mask", phase.name, split, bucket, dupe)
+        for start in range(0, len(spec), CHUNK_INSTANCES):
+            block = assemble_packed(
+                docset.tokens,
+                spec.slice(start, start + CHUNK_INSTANCES),
+                cls_id=plan.special_ids["cls"],
+                sep_id=plan.special_ids["sep"],
+                dtype=plan.dtype,
+                counts=counts,
+            )
+            if cfg.masking.mode == "static":
+                block = mask_block(block, self._masking[phase.name], mask_rng)
+            counts["instances"] += len(block)
+            counts["instance_tokens"] += int(block.tokens.size)
+            counts["padding_tokens"] += len(block) * phase.max_seq_length - int(block.tokens.size)
+            counts["masked_tokens"] += int(block.info[:, NUM_MASKED].sum())
             yield block
 
 
@@ -733,6 +777,8 @@ def build_manifest(
         "format": FORMAT_NAME,
         "schema_version": SCHEMA_VERSION,
         "phase": phase.name,
+        "objective": cfg.objective,
+        "packing": cfg.packing if cfg.objective == "mlm" else None,
         "max_seq_length": phase.max_seq_length,
         "max_predictions_per_seq": phase.max_predictions_per_seq,
         "masking": cfg.masking.mode,
@@ -766,6 +812,12 @@ def _derived(part: dict[str, int]) -> dict[str, Any]:
         round(part.get("documents_short_target", 0) / passes, 5) if passes else 0.0
     )
     out["truncated_fraction"] = round(part.get("truncated_instances", 0) / n, 5) if n else 0.0
+    if "padding_tokens" in part:  # the mlm objective's packing
+        padded = tokens + part["padding_tokens"]
+        out["fill_fraction"] = round(tokens / padded, 5) if padded else 0.0
+        out["multi_document_fraction"] = (
+            round(part.get("multi_document_instances", 0) / n, 5) if n else 0.0
+        )
     return out
 
 

@@ -537,10 +537,7 @@ def _log_summary(manifest: dict[str, Any]) -> None:
     train = manifest["stats"]["train"]
     corpus = manifest["stats"]["corpus"]
     split = manifest["splits"]
-    log.info(
-        "%s: %d documents kept of %d read, %d sentences, %d tokens -> train %d instances in %d "
-        "shard(s) (%.1f tokens/instance, masked %.4f, random next %.4f, short target %.4f, "
-        "truncated %.4f), held-out %d instances",
+    head = (
         manifest["phase"],
         corpus.get("documents_kept", 0),
         corpus.get("documents_read", 0),
@@ -548,13 +545,34 @@ def _log_summary(manifest: dict[str, Any]) -> None:
         corpus.get("tokens", 0),
         split["train"]["instances"],
         split["train"]["num_shards"],
-        train["mean_tokens_per_instance"],
-        train["masked_fraction"],
-        train["random_next_fraction"],
-        train["short_target_fraction"],
-        train["truncated_fraction"],
-        split["heldout"]["instances"],
     )
+    if manifest.get("objective") == "mlm":
+        log.info(
+            "%s: %d documents kept of %d read, %d sentences, %d tokens -> train %d instances in "
+            "%d shard(s) (mlm, %s: %.1f tokens/instance, filled %.4f, %.4f across documents, "
+            "%d sentence(s) cut, masked %.4f), held-out %d instances",
+            *head,
+            manifest.get("packing"),
+            train["mean_tokens_per_instance"],
+            train.get("fill_fraction", 0.0),
+            train.get("multi_document_fraction", 0.0),
+            train.get("sentences_cut", 0),
+            train["masked_fraction"],
+            split["heldout"]["instances"],
+        )
+    else:
+        log.info(
+            "%s: %d documents kept of %d read, %d sentences, %d tokens -> train %d instances in "
+            "%d shard(s) (%.1f tokens/instance, masked %.4f, random next %.4f, short target "
+            "%.4f, truncated %.4f), held-out %d instances",
+            *head,
+            train["mean_tokens_per_instance"],
+            train["masked_fraction"],
+            train["random_next_fraction"],
+            train["short_target_fraction"],
+            train["truncated_fraction"],
+            split["heldout"]["instances"],
+        )
     skipped = {
         k: v
         for k, v in corpus.items()

@@ -8,10 +8,12 @@ A WebDataset sample holds a *block* of up to ``instances_per_sample`` instances 
 form, so one tar member header (512 bytes) is paid per block, not per instance:
 
 - ``tokens.npy``  [T] uint16 (int32 if the vocabulary exceeds 65,536): every instance's input
-  ids back to back, ``[CLS] A [SEP] B [SEP]``, masked positions already replaced.
+  ids back to back, ``[CLS] A [SEP] B [SEP]`` (objective ``mlm+nsp``) or ``[CLS] ... [SEP]``
+  with a ``[SEP]`` between packed documents (``mlm``), masked positions already replaced.
 - ``info.npy``    [n, 4] uint16: per instance ``length``, ``a_end`` (first index of segment B,
-  i.e. one past the first ``[SEP]``; token type ids are 0 before it and 1 from it),
-  ``num_masked`` and ``is_random_next`` (1 when B comes from another document).
+  i.e. one past the first ``[SEP]``; token type ids are 0 before it and 1 from it; ``mlm``:
+  the length, one segment), ``num_masked`` and ``is_random_next`` (1 when B comes from
+  another document; ``mlm``: 0).
 - ``mlm_pos.npy`` [M] uint16: positions of the masked tokens inside their instance,
   ascending per instance, instance after instance (``num_masked`` of each).
 - ``mlm_ids.npy`` [M] uint16/int32: the original token ids at those positions (the labels).

@@ -11,10 +11,11 @@ needs, parsed from the same bytes: a loader built from it (``PretrainingData(man
 reads and validates a folder's manifest for callers that have no phase (benches, the plan).
 
 Validation checks the format and schema version, that every shard's sample count fits its
-instance count, the masking mode, and that every listed shard exists (one listing of the
-folder). A manifest that fails is a :class:`DataError` naming its URL (exit status 2).
-Transient read errors (``OSError``, timeouts) are retried with ``data.read_retries`` /
-``data.read_retry_delay``; a missing manifest is not transient (a wrong path).
+instance count, the masking mode, the objective (absent in older manifests: ``mlm+nsp``), and
+that every listed shard exists (one listing of the folder). A manifest that fails is a
+:class:`DataError` naming its URL (exit status 2). Transient read errors (``OSError``,
+timeouts) are retried with ``data.read_retries`` / ``data.read_retry_delay``; a missing
+manifest is not transient (a wrong path).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 MANIFEST_NAME = "manifest.json"
+OBJECTIVES = ("mlm+nsp", "mlm")
+"""The pre-training objectives a phase's data may be cut for (the manifest's ``objective``)."""
 
 
 class DataError(BertpipeError):
@@ -85,6 +88,10 @@ class Manifest:
     splits: dict[str, tuple[ShardInfo, ...]]
     masking_config: dict[str, Any] = field(default_factory=dict)
     """The ``config.masking`` section the shards were written with (may be empty)."""
+    objective: str = "mlm+nsp"
+    """``mlm+nsp`` (sentence pairs with the NSP label, the BERT paper's) or ``mlm`` (packed
+    single-segment instances, no NSP label: ``is_random_next`` is 0 throughout and means
+    nothing). Manifests written before the ``mlm`` objective have no ``objective``: mlm+nsp."""
 
     def block_sizes(self, split: str) -> list[np.ndarray]:
         """Instances of every block (sample) of every shard of ``split``: [samples] each."""
@@ -222,11 +229,14 @@ def validate_manifest(folder: str, raw: Any, retry: RetryPolicy | None = None) -
             instances_per_sample=ips,
             splits=splits,
             masking_config=dict(raw.get("config", {}).get("masking", {})),
+            objective=str(raw.get("objective", "mlm+nsp")),
         )
     except (KeyError, TypeError, AttributeError) as exc:
         raise fail(f"missing or malformed entry {exc}") from None
     if manifest.masking not in ("static", "none"):
         raise fail(f"masking {manifest.masking!r} is neither 'static' nor 'none'")
+    if manifest.objective not in OBJECTIVES:
+        raise fail(f"objective {manifest.objective!r} is not one of {', '.join(OBJECTIVES)}")
     _check_shards_exist(folder, manifest, retry)
     return manifest
 

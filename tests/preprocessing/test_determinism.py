@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +17,9 @@ from bertpipe.preprocessing.run import prepare, run_preprocess
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def _run(corpus: Path, tokenizer: Path, out: Path, beam_args: list[str]) -> dict[str, str]:
+def _run(
+    corpus: Path, tokenizer: Path, out: Path, beam_args: list[str], extra: tuple[str, ...]
+) -> dict[str, str]:
     cfg = load_config(
         PreprocessConfig,
         None,
@@ -32,6 +36,7 @@ def _run(corpus: Path, tokenizer: Path, out: Path, beam_args: list[str]) -> dict
             "tokenize_batch_documents=16",  # several elements per file
             "instances_per_sample=64",
             "tracking.enabled=false",
+            *extra,
         ],
     )
     assert len(prepare(cfg)[1]) > 6
@@ -44,30 +49,46 @@ def _run(corpus: Path, tokenizer: Path, out: Path, beam_args: list[str]) -> dict
     }
 
 
+@pytest.fixture(scope="module")
+def dask_cluster() -> Iterator[Any]:
+    """One local Dask cluster for the module's objectives (starting one takes seconds)."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    ) as cluster:
+        yield cluster
+
+
+# the paper's recipe, and the mlm objective's packing (static masks: its mask draws too)
+OBJECTIVES = {"mlm+nsp": (), "mlm": ("objective=mlm", "masking.mode=static")}
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
 def test_in_process_multiprocessing_and_dask_agree(
-    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path
+    objective: str, dask_cluster: Any, corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    in_process = _run(corpus_dir, tokenizer_dir, tmp_path / "a", [])
+    import distributed
+
+    extra = OBJECTIVES[objective]
+    in_process = _run(corpus_dir, tokenizer_dir, tmp_path / "a", [], extra)
     multi = _run(
         corpus_dir,
         tokenizer_dir,
         tmp_path / "b",
         ["--direct_running_mode=multi_processing", "--direct_num_workers=2"],
+        extra,
     )
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-    ) as cluster:
-        try:
-            dask = _run(
-                corpus_dir,
-                tokenizer_dir,
-                tmp_path / "c",
-                ["--runner=DaskRunner", f"--dask_client_address={cluster.scheduler_address}"],
-            )
-        finally:  # Beam's DaskRunner opens a client and leaves it open
-            with contextlib.suppress(ValueError):
-                distributed.default_client().close()
+    try:
+        dask = _run(
+            corpus_dir,
+            tokenizer_dir,
+            tmp_path / "c",
+            ["--runner=DaskRunner", f"--dask_client_address={dask_cluster.scheduler_address}"],
+            extra,
+        )
+    finally:  # Beam's DaskRunner opens a client and leaves it open
+        with contextlib.suppress(ValueError):
+            distributed.default_client().close()
     assert len(in_process) > 10
     assert in_process == multi
     assert in_process == dask
