@@ -10,7 +10,9 @@ thread pool cannot use more than that core and peak RSS is the child's own:
 
 - ``tokenizer_only_s``: every line of the corpus through ``Tokenizer.encode_batch``;
 - ``pipeline_s``: ``bertpipe preprocess`` (FnApiRunner in-process, seq 128 only,
-  ``dupe_factor`` 5, shards written, no MLflow), wall time of the whole run.
+  ``dupe_factor`` 5, shards written, no MLflow), wall time of the whole run. With
+  ``--objective mlm`` the job packs sentences instead (masked_lm_prob 0.3, 39 predictions,
+  the objective's default dynamic masking: no masks written).
 
 With ``--scaling`` (default on) the pipeline also runs on a 4x corpus and reports its peak
 RSS against the 1x run. The last line of output is one JSON object.
@@ -38,6 +40,9 @@ __all__ = ["add_arguments", "run_bench"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=3, help="corpus copies (~1.3 MB each)")
     parser.add_argument("--dupe-factor", type=int, default=5)
+    parser.add_argument(
+        "--objective", choices=("mlm+nsp", "mlm"), default="mlm+nsp", help="the job's objective"
+    )
     parser.add_argument("--vocab-size", type=int, default=30522)
     parser.add_argument("--no-scaling", action="store_true", help="skip the 4x memory run")
     parser.add_argument("--workdir", help="keep corpus and shards here (default: a temp dir)")
@@ -46,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scale_arguments(parser)
 
 
-def _child(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> dict[str, Any]:
+def _child(
+    mode: str, corpus: str, tokenizer: str, out: str, dupe: int, objective: str = "mlm+nsp"
+) -> dict[str, Any]:
     """Run one measurement in a pinned child process and return its JSON result."""
     env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [
@@ -59,6 +66,7 @@ def _child(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> dict[
         tokenizer,
         out,
         str(dupe),
+        objective,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -72,7 +80,9 @@ def _pin_one_core() -> None:
         os.sched_setaffinity(0, {cpus[0]})
 
 
-def _child_main(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> None:
+def _child_main(
+    mode: str, corpus: str, tokenizer: str, out: str, dupe: int, objective: str
+) -> None:
     _pin_one_core()
     from bertpipe.logs import setup_logging
 
@@ -98,6 +108,16 @@ def _child_main(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> 
         from bertpipe.preprocessing.config import PreprocessConfig
         from bertpipe.preprocessing.run import run_preprocess
 
+        recipe = (
+            ["phases=[{name: seq128, max_seq_length: 128, max_predictions_per_seq: 20}]"]
+            if objective == "mlm+nsp"
+            else [
+                "objective=mlm",
+                "masking.masked_lm_prob=0.3",
+                "phases=[{name: seq128, max_seq_length: 128, max_predictions_per_seq: 39}]",
+            ]
+        )
+
         def overrides_for(inputs: str, output: str) -> list[str]:
             return [
                 f"input.paths=[{inputs}]",
@@ -105,7 +125,7 @@ def _child_main(mode: str, corpus: str, tokenizer: str, out: str, dupe: int) -> 
                 f"output={output}",
                 "overwrite=true",
                 f"dupe_factor={dupe}",
-                "phases=[{name: seq128, max_seq_length: 128, max_predictions_per_seq: 20}]",
+                *recipe,
                 "tracking.enabled=false",
             ]
 
@@ -164,7 +184,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         log.info("corpus: %.2f MB in %s; measuring the tokenizer alone", text_mb, corpus)
         tok = _child("tokenizer", corpus, tokenizer, "", args.dupe_factor)
         log.info("tokenizer alone: %.2f s; running the pipeline", tok["seconds"])
-        pipe = _child("pipeline", corpus, tokenizer, str(work / "shards1x"), args.dupe_factor)
+        pipe = _child(
+            "pipeline", corpus, tokenizer, str(work / "shards1x"), args.dupe_factor, args.objective
+        )
         result: dict[str, Any] = {
             "corpus_mb": round(text_mb, 3),
             "tokens": tok["tokens"],
@@ -177,13 +199,21 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "mean_tokens_per_instance": pipe["stats"]["mean_tokens_per_instance"],
             "peak_rss_mb": round(pipe["peak_rss_mb"], 1),
             "dupe_factor": args.dupe_factor,
+            "objective": args.objective,
             "cores": 1,
         }
         if not args.no_scaling:
             corpus4 = str(work / "corpus4x")
             write_corpus(corpus4, fmt="sentences", files=4, replicas=4 * args.replicas)
             log.info("pipeline on the 4x corpus for peak memory")
-            pipe4 = _child("pipeline", corpus4, tokenizer, str(work / "shards4x"), args.dupe_factor)
+            pipe4 = _child(
+                "pipeline",
+                corpus4,
+                tokenizer,
+                str(work / "shards4x"),
+                args.dupe_factor,
+                args.objective,
+            )
             result["pipeline_4x_s"] = round(pipe4["seconds"], 3)
             result["peak_rss_4x_mb"] = round(pipe4["peak_rss_mb"], 1)
             result["rss_ratio_4x"] = round(pipe4["peak_rss_mb"] / pipe["peak_rss_mb"], 3)
@@ -191,7 +221,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 7 and sys.argv[1] == "--child":
-        _child_main(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]))
+    if len(sys.argv) == 8 and sys.argv[1] == "--child":
+        _child_main(
+            sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], int(sys.argv[6]), sys.argv[7]
+        )
     else:
         sys.exit("usage: bertpipe bench preprocess [options]")
