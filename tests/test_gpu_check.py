@@ -32,6 +32,8 @@ BENCH_RUNS = [
     "p2-unpad",
     "p2-hf",
     "p2-pad",
+    "p1-modern",
+    "p2-modern",
     "p1-unpad-compiled",
     "p2-unpad-compiled",
 ]
@@ -128,6 +130,12 @@ def test_run_list_order_and_commands_are_accepted(tmp_path: Path) -> None:
         assert options[options.index("--precision") + 1] == "bf16"
         assert options[options.index("--device") + 1] == "cuda"
         assert ("--compile" in options) == name.endswith("-compiled")
+        modern = name.endswith("-modern")
+        assert ("--family" in options) == modern
+        if modern:  # the last --preset wins
+            assert options[len(options) - 1 - options[::-1].index("--preset") + 1] == (
+                "modernbert-large"
+            )
         shape = ["128", "64"] if name.startswith("p1") else ["512", "16"]
         assert [options[options.index(o) + 1] for o in ("--seq-len", "--micro-batch")] == shape
         if (ROOT / "training" / "bench_train.py").exists():

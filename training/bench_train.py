@@ -50,6 +50,9 @@ SHORT_FRACTION = 0.1
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="tiny", help="model size preset (default tiny)")
+    parser.add_argument(
+        "--family", choices=("bert", "modernbert"), default=None, help="default: the preset's"
+    )
     parser.add_argument("--seq-len", type=int, default=128, help="phase shape: max tokens")
     parser.add_argument("--micro-batch", type=int, default=32, help="sequences per step")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
@@ -64,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--padding", choices=("unpad", "pad"), default="unpad")
     parser.add_argument("--compile", action="store_true", help="torch.compile each layer")
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention")
+    parser.add_argument(
+        "--dropout", type=float, default=None, help="hidden and attention (default: the family's)"
+    )
     parser.add_argument("--data", help="phase shard folder (default: synthetic shards)")
     parser.add_argument("--instances", type=int, default=0, help="synthetic: 0 = enough")
     parser.add_argument("--model", choices=("bertpipe", "hf"), default="bertpipe")
@@ -115,8 +120,6 @@ def _config(args: argparse.Namespace, data: str, total_steps: int, precision: st
     overrides = [
         f"model.preset={args.preset}",
         f"model.max_position_embeddings={max(512, args.seq_len)}",
-        f"model.hidden_dropout={args.dropout}",
-        f"model.attention_dropout={args.dropout}",
         f"model.unpad={str(args.padding == 'unpad').lower()}",
         f"model.compile={str(args.compile).lower()}",
         f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
@@ -130,6 +133,13 @@ def _config(args: argparse.Namespace, data: str, total_steps: int, precision: st
         "tracking.enabled=false",
         f"seed={args.seed}",
     ]
+    if args.family is not None:
+        overrides.append(f"model.family={args.family}")
+    if args.dropout is not None:
+        overrides += [
+            f"model.hidden_dropout={args.dropout}",
+            f"model.attention_dropout={args.dropout}",
+        ]
     if args.peak_tflops:
         overrides.append(f"device_peak_tflops={args.peak_tflops}")
     return load_config(PretrainConfig, None, overrides)
@@ -188,6 +198,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         cfg = _config(args, data, total, precision)
         workers = args.workers if args.workers is not None else (2 if device_type == "cuda" else 0)
         cfg.data.num_workers = workers
+        if args.model == "hf" and cfg.model.resolved_family != "bert":
+            raise SystemExit("--model hf compares with transformers' BERT: use --family bert")
         run = _run_ours if args.model == "bertpipe" else _run_hf
         result = run(args, cfg, device_type)
     name = args.name or (

@@ -60,8 +60,10 @@ class ModelSummary:
     vocab_source: str
     padded_vocab_size: int
     num_parameters: int
-    """Analytic count of BertForPreTraining (the tied decoder counted once)."""
+    """Analytic count of BertForPreTraining or ModernBertForMaskedLM (the tied decoder counted
+    once)."""
     activation_checkpointing: bool
+    family: str = "bert"
 
 
 @dataclass(frozen=True)
@@ -271,6 +273,7 @@ def make_plan(
             padded_vocab_size=model_cfg.padded_vocab_size,
             num_parameters=num_params,
             activation_checkpointing=model_cfg.activation_checkpointing,
+            family=getattr(model_cfg, "family", "bert"),
         ),
         precision=cfg.precision,
         zero_stage=cfg.zero.stage,
@@ -396,8 +399,12 @@ def _assumptions(cfg: PretrainConfig, options: PlanOptions, timed: bool) -> list
         f"(optimizer: {'fp32 master + ' if e == 2 else ''}2 moments) bytes/parameter, ZeRO "
         "stage 1 partitions optimizer states, 2 + gradients, 3 + weights over N GPUs; "
         "offload moves optimizer states to host memory",
-        f"activations per layer s*b*(e*(8h+2I)+2h) bytes, e={e} (Korthikanti et al. 2022: "
-        "34*s*b*h for I=4h at 16 bit)"
+        (
+            f"activations per layer s*b*e*(7h+4I) bytes (ModernBERT: no dropout, GeGLU), e={e}"
+            if getattr(cfg.model, "resolved_family", "bert") == "modernbert"
+            else f"activations per layer s*b*(e*(8h+2I)+2h) bytes, e={e} (Korthikanti et al. "
+            "2022: 34*s*b*h for I=4h at 16 bit)"
+        )
         + (
             " + a*s^2*b*(2e+1) for stored attention scores"
             if options.attention_scores_stored

@@ -28,6 +28,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bertpipe.training.bench_memory",
         "model states and activations per rank on N CPU ranks vs bertpipe plan",
     ),
+    "recipes": (
+        "bertpipe.app.bench_recipes",
+        "the paper's recipe vs the modern one at equal tokens and time: MLM, downstream",
+    ),
 }
 
 

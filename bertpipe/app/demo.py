@@ -33,7 +33,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["add_demo_command", "run_demo", "unigram_baseline"]
+__all__ = [
+    "add_demo_command",
+    "demo_corpus",
+    "demo_tasks",
+    "demo_tokenizer",
+    "run_demo",
+    "unigram_baseline",
+]
 
 EXPERIMENT = "bertpipe-demo"
 SEEDS = [1, 2, 3]
@@ -95,12 +102,12 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
     demo_id = uuid.uuid4().hex[:12]
     results: dict[str, object] = {}
     steps: list[tuple[str, Callable[[], object]]] = [
-        ("corpus", lambda: _corpus(out, documents)),
-        ("tokenizer", lambda: _tokenizer(out, common)),
+        ("corpus", lambda: demo_corpus(out, documents)),
+        ("tokenizer", lambda: demo_tokenizer(out, common)),
         ("preprocess", lambda: _preprocess(out, common)),
         ("pretrain", lambda: _pretrain(out, common)),
         ("export", lambda: _export(out)),
-        ("tasks", lambda: _tasks(out)),
+        ("tasks", lambda: demo_tasks(out)),
         ("evaluate-pretrained", lambda: _evaluate(out, common, "pretrained", demo_id)),
         ("evaluate-random-init", lambda: _evaluate(out, common, "random-init", demo_id)),
     ]
@@ -115,7 +122,7 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
     return results
 
 
-def _corpus(out: Path, documents: int | None) -> list[str]:
+def demo_corpus(out: Path, documents: int | None) -> list[str]:
     from bertpipe.preprocessing.sample_corpus import write_corpus
 
     folder = out / "corpus"
@@ -124,7 +131,7 @@ def _corpus(out: Path, documents: int | None) -> list[str]:
     return write_corpus(str(folder), fmt="jsonl", files=4, max_documents=documents)
 
 
-def _tokenizer(out: Path, common: list[str]) -> object:
+def demo_tokenizer(out: Path, common: list[str]) -> object:
     from bertpipe.cli_args import write_resolved_config
     from bertpipe.config import load_config
     from bertpipe.preprocessing.config import TokenizerConfig
@@ -212,7 +219,7 @@ def _export(out: Path) -> object:
     return export_checkpoint(str(out / "pretrain" / "checkpoints"), str(out / "bert-tiny-hf"))
 
 
-def _tasks(out: Path) -> str:
+def demo_tasks(out: Path) -> str:
     import shutil
 
     from bertpipe.finetuning.sample_task import write_demo_suite

@@ -13,7 +13,8 @@
 #   4. the benchmark runs, BERT-Large, bf16, ZeRO 1, AdamW, each its own process under
 #      `timeout`, most important first: phase 1 (128 x 64) unpadded, transformers, padded;
 #      the same for phase 2 (512 x 16); 200 steps of real pre-training on the demo's seq128
-#      shards (bf16, phase 1 only); last the compiled (torch.compile) unpadded runs.
+#      shards (bf16, phase 1 only); ModernBERT-large at both shapes, unpadded; last the
+#      compiled (torch.compile) unpadded runs.
 # Each run appends one JSON object to $OUT_DIR/gpu-check.jsonl (its figures, or
 # {"name": ..., "error": ...}) and its whole output to $OUT_DIR/gpu-check.log; a failed run
 # does not stop the check. A wall-clock budget (GPU_CHECK_BUDGET_S) bounds the whole check:
@@ -73,7 +74,7 @@ SITE=${GPU_CHECK_SITE:-$WORK/site}
 
 if [[ $SMOKE == 1 ]]; then
     MODE="CPU smoke"
-    DEVICE=cpu PRESET=tiny PRECISION=fp32
+    DEVICE=cpu PRESET=tiny MODERN_PRESET=tiny PRECISION=fp32
     EAGER=(--steps 2 --warmup 1) COMPILED=(--steps 2 --warmup 1)
     MICRO1=8 MICRO2=4  # the plumbing is under test, not the shapes: small batches on a CPU
     PRETRAIN_STEPS=4 LOG_EVERY=2
@@ -82,7 +83,7 @@ if [[ $SMOKE == 1 ]]; then
     export DS_ACCELERATOR=cpu
 else
     MODE="GPU"
-    DEVICE=cuda PRESET=large PRECISION=bf16
+    DEVICE=cuda PRESET=large MODERN_PRESET=modernbert-large PRECISION=bf16
     EAGER=(--steps 20 --warmup 5) COMPILED=(--steps 20 --warmup 10)
     MICRO1=64 MICRO2=16
     PRETRAIN_STEPS=200 LOG_EVERY=20
@@ -265,6 +266,13 @@ run_step pretrain-demo "$T_PRETRAIN" pretrain "${BP[@]}" pretrain \
     checkpoint.every_steps=0 \
     checkpoint.resume=none \
     tracking.enabled=false
+
+# the modern family (issue 27): ModernBERT-large, the same shapes, unpadded (its local layers
+# use FlashAttention's window when flash_attn is installed, else a band mask per sequence)
+bench p1-modern "$T_EAGER" "${P1[@]}" --padding unpad --family modernbert \
+    --preset "$MODERN_PRESET" "${EAGER[@]}"
+bench p2-modern "$T_EAGER" "${P2[@]}" --padding unpad --family modernbert \
+    --preset "$MODERN_PRESET" "${EAGER[@]}"
 
 bench p1-unpad-compiled "$T_COMPILED" "${P1[@]}" --padding unpad --compile "${COMPILED[@]}"
 bench p2-unpad-compiled "$T_COMPILED" "${P2[@]}" --padding unpad --compile "${COMPILED[@]}"
