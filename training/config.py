@@ -524,7 +524,14 @@ def check_engine_settings(
 
 # the settings of a phase's learning-rate curve: one curve over all phases with
 # schedule=continuous, so every phase must repeat phase 1's
-_CURVE_KEYS = ("decay", "decay_power", "decay_from", "decay_fraction", "decay_shape", "min_lr_ratio")
+_CURVE_KEYS = (
+    "decay",
+    "decay_power",
+    "decay_from",
+    "decay_fraction",
+    "decay_shape",
+    "min_lr_ratio",
+)
 
 
 @dataclass

@@ -42,9 +42,11 @@ class Stage(Protocol):
     max_steps: int
     """The stage's last step (its steps count from 1)."""
     accumulation: int
-    """Micro-batches per optimizer step on this rank."""
+    """Micro-batches of the next optimizer step on this rank. The loop reads it before each
+    step: a stage may change it in :meth:`after_step` (pre-training's batch-size warmup)."""
     samples_per_step: int
-    """Sequences one optimizer step consumes on this rank."""
+    """Sequences the next optimizer step consumes on this rank (read with
+    ``accumulation``)."""
 
     def batches(self) -> Iterator[Any]:
         """The micro-batches for :class:`OptimizerStep` (on the device), from the stage's
@@ -117,7 +119,7 @@ def run_loop(
     try:
         batches = stage.batches()
         while done.step < stage.max_steps:
-            result = step(progress.global_step + 1, batches)
+            result = step(progress.global_step + 1, batches, accumulation=stage.accumulation)
             progress.global_step += 1
             progress.samples_seen += stage.samples_per_step
             done = Position(done.step + 1, stage.position())

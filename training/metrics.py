@@ -33,6 +33,9 @@ class Window:
         self.data_wait = 0.0
         self.steps = 0
         self.lr = 0.0
+        self.micro_batches = 0
+        """Of the window's last step on this rank: its accumulation (batch warmup changes
+        it; :meth:`add` averages a step's losses over its own count)."""
         self.started = time.monotonic()
         self.has_nsp = True
 
@@ -59,6 +62,7 @@ class Window:
         """Count one optimizer step (its micro-batches were added by :meth:`add`)."""
         self.steps += 1
         self.lr = result.lr
+        self.micro_batches = result.micro_batches
         self.data_wait += result.data_wait
 
     def reduce(self, world: int) -> dict[str, float]:

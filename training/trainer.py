@@ -336,8 +336,17 @@ class PhaseStage:
         self.index = index
         self.name = phase.name
         self.max_steps = phase.max_steps
-        self.accumulation = trainer.accumulation[phase.name]
-        self.samples_per_step = phase.micro_batch_size * self.accumulation
+        self.phase = phase
+        self.accumulation, self.samples_per_step = self._batch_of(start + 1)
+        if phase.batch_warmup_steps > start and trainer.info.is_main:
+            log.info(
+                "%s: batch warmup, global batch %d at step %d growing to %d from step %d",
+                phase.name,
+                phase.global_batch_at(start + 1, trainer.world),
+                start + 1,
+                phase.global_batch_size,
+                phase.batch_warmup_steps + 1,
+            )
         self.loader = loader
         self.device = trainer.info.device
         self.window = Window(self.device)
@@ -363,11 +372,18 @@ class PhaseStage:
     def where(self, step: int, global_step: int) -> str:
         return f"{self.name} step {step} (global {global_step})"
 
+    def _batch_of(self, step: int) -> tuple[int, int]:
+        """(micro-batches, sequences) on this rank of the phase's step ``step``: the full
+        batch, or less under batch warmup (``PhaseSpec.accumulation_at``)."""
+        accumulation = self.phase.accumulation_at(step, self.trainer.world)
+        return accumulation, self.phase.micro_batch_size * accumulation
+
     def on_output(self, output: Any, stats: Any) -> None:
-        self.window.add(output, stats, self.accumulation)
+        self.window.add(output, stats, self.accumulation)  # the running step's
 
     def after_step(self, step: int, result: StepResult) -> None:
         self.window.record(result)
+        self.accumulation, self.samples_per_step = self._batch_of(step + 1)  # the loop's next
         if self.bar is not None:  # host only: the bar, or a log line every minute
             self.bar.update(step)
 
@@ -404,6 +420,8 @@ class PhaseStage:
             metrics["mfu"] = utilisation  # on real tokens
             metrics["mfu_padded"] = mfu(metrics["padded_tflops_per_device"] * 1e12, trainer.peak)
         metrics.update(memory_metrics(self.device))
+        micro = self.phase.micro_batch_size
+        metrics["global_batch_size"] = window.micro_batches * micro * trainer.world  # last step's
         metrics["phase_step"] = step
         if not trainer.info.is_main:
             return
