@@ -142,6 +142,37 @@ def pretrain_shards(
     return out
 
 
+@pytest.fixture(scope="session")
+def mlm_shards(
+    tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path, tokenizer_dir: Path
+) -> Path:
+    """Shards of the ``mlm`` objective (packed full sentences, 30% dynamic masking): ``seq64``."""
+    from bertpipe.config import load_config
+    from bertpipe.preprocessing.config import PreprocessConfig
+    from bertpipe.preprocessing.run import run_preprocess
+
+    out = tmp_path_factory.mktemp("mlm-shards")
+    cfg = load_config(
+        PreprocessConfig,
+        None,
+        [
+            f"input.paths=[{corpus_dir}]",
+            f"tokenizer={tokenizer_dir}",
+            f"output={out}",
+            "objective=mlm",
+            "masking.masked_lm_prob=0.3",
+            "phases=[{name: seq64, max_seq_length: 64, max_predictions_per_seq: 20,"
+            " num_shards: 4}]",
+            "dupe_factor=2",
+            "heldout_fraction=0.1",
+            "instances_per_sample=32",
+            "tracking.enabled=false",
+        ],
+    )
+    run_preprocess(cfg)
+    return out
+
+
 _EMPTY_STORE: Path | None = None
 
 

@@ -154,10 +154,11 @@ def render_plan(plan: Plan) -> str:
     from bertpipe.training.plan_memory import GIB
 
     m = plan.model
+    family = "ModernBERT" if m.family == "modernbert" else "BERT"
     lines = ["bertpipe plan: nothing is started; every figure is an estimate (assumptions below)"]
     lines.append("")
     lines.append(
-        f"model     {'ModernBERT' if m.family == 'modernbert' else 'BERT'} {m.preset}: L{m.num_layers} H{m.hidden_size} A{m.num_heads} "
+        f"model     {family} {m.preset}: L{m.num_layers} H{m.hidden_size} A{m.num_heads} "
         f"I{m.intermediate_size}, {m.num_parameters:,} parameters ({m.num_parameters / 1e6:.1f}M)"
     )
     lines.append(

@@ -8,6 +8,7 @@ are read by :func:`bertpipe.training.manifest.read_phase_data`.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from bertpipe.config import ConfigError
 from bertpipe.training.config import PretrainConfig
@@ -16,6 +17,8 @@ from bertpipe.training.manifest import DataMismatchError, PhaseData
 from bertpipe.training.modern_config import ModernBertModelConfig
 
 __all__ = ["model_config"]
+
+log = logging.getLogger(__name__)
 
 
 def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> ModelConfig:
@@ -54,6 +57,13 @@ def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> ModelConfig:
             **cfg.model.overrides(),
         )
     for i, d in enumerate(data):
+        if isinstance(model_cfg, ModernBertModelConfig) and d.parsed.objective != "mlm":
+            log.warning(
+                "phases[%d].data %s holds mlm+nsp pairs; ModernBERT has no NSP head: they are "
+                "trained as masked LM only (objective mlm packs full sentences instead)",
+                i,
+                d.url,
+            )
         if d.max_seq_length > model_cfg.max_position_embeddings:
             raise ConfigError(
                 f"phases[{i}].data",

@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 
 from bertpipe.training.collate import unpad_batch
+from bertpipe.training.families import ModelConfig
 from bertpipe.training.faults import NO_FAULTS, Faults
 from bertpipe.training.flops import training_flops
 from bertpipe.training.guard import guard_updates, poisoned
-from bertpipe.training.model import BertModelConfig
 
 __all__ = ["BatchPrep", "BatchStats", "OptimizerStep", "StepResult", "to_device"]
 
@@ -66,10 +66,15 @@ def to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
 class BatchPrep:
     """Host batch -> (device batch, :class:`BatchStats`)."""
 
-    def __init__(self, model_cfg: BertModelConfig, device: torch.device, unpad: bool) -> None:
+    def __init__(
+        self, model_cfg: ModelConfig, device: torch.device, unpad: bool, nsp: bool = True
+    ) -> None:
         self.model_cfg = model_cfg
         self.device = device
         self.unpad = unpad
+        self.nsp = nsp
+        """False: the batches carry no NSP labels (data of the ``mlm`` objective, whose
+        ``is_random_next`` is 0 throughout: BERT's NSP head gets no loss from it)."""
         self.pin = device.type == "cuda"
 
     def stats(self, batch: Mapping[str, Tensor]) -> BatchStats:
@@ -88,6 +93,8 @@ class BatchPrep:
     def __call__(self, batch: Mapping[str, Tensor]) -> tuple[dict[str, Any], BatchStats]:
         stats = self.stats(batch)
         host: dict[str, Any] = unpad_batch(batch) if self.unpad else dict(batch)
+        if not self.nsp:
+            host.pop("nsp_labels", None)
         if self.pin:
             host = {k: v.pin_memory() if isinstance(v, Tensor) else v for k, v in host.items()}
         return to_device(host, self.device), stats

@@ -350,7 +350,12 @@ class PhaseStage:
         self.loader = loader
         self.device = trainer.info.device
         self.window = Window(self.device)
-        self.prep = BatchPrep(trainer.model_cfg, self.device, unpad=trainer.cfg.model.unpad)
+        self.prep = BatchPrep(
+            trainer.model_cfg,
+            self.device,
+            unpad=trainer.cfg.model.unpad,
+            nsp=trainer.data[index].parsed.objective != "mlm",
+        )
         self.bar = (
             ProgressLine(phase.name, phase.max_steps, initial=start, unit="step")
             if trainer.info.is_main

@@ -261,7 +261,7 @@ def _heldout_accuracy(checkpoints: Path, phase: Path) -> float:
     from bertpipe.training.step import BatchPrep
 
     model, _ = load_checkpoint_model(str(checkpoints))
-    spec = PhaseSpec(name="heldout", data=str(phase), micro_batch_size=64, global_batch_size=64)
+    spec = PhaseSpec(name="heldout", data=str(phase), micro_batch_size=8, global_batch_size=8)
     loader = build_pretraining_data(
         spec, DataConfig(num_workers=0), rank=0, world_size=1, seed=0, evaluation=EvalConfig(0, 0)
     )

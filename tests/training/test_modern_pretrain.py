@@ -20,13 +20,18 @@ from tests.conftest import sqlite_uri
 pytestmark = pytest.mark.integration
 
 
-def _cfg(shards: Path, out: Path, uri: str, steps: int = 12, **extra: object) -> PretrainConfig:
+def _cfg(
+    shards: Path, out: Path, uri: str, steps: int = 12, family: str = "modernbert", **extra: object
+) -> PretrainConfig:
     items = [
         f"output={out}",
-        "model.family=modernbert",
+        f"model.family={family}",
         "model.preset=tiny",
         "model.max_position_embeddings=128",
-        "model.local_attention=16",  # the data's 64-token sequences exceed the window
+    ]
+    if family == "modernbert":
+        items.append("model.local_attention=16")  # the data's 64-token sequences exceed it
+    items += [
         f"phases=[{{name: phase1, data: {shards}/seq64, max_steps: {steps}, micro_batch_size: 8,"
         " global_batch_size: 16, learning_rate: 3.0e-3, warmup: 0.25}]",
         "precision=fp32",
@@ -51,7 +56,7 @@ def _losses(uri: str, run_id: str) -> list[tuple[int, float]]:
 
 
 def test_modernbert_trains_resumes_exactly_exports_and_continues(
-    pretrain_shards: Path, tmp_path: Path
+    mlm_shards: Path, tmp_path: Path
 ) -> None:
     import mlflow
     import transformers
@@ -59,7 +64,7 @@ def test_modernbert_trains_resumes_exactly_exports_and_continues(
     from bertpipe.training.export import export_checkpoint, load_checkpoint_model
 
     uri = sqlite_uri(tmp_path / "mlflow.db")
-    cfg = _cfg(pretrain_shards, tmp_path / "run", uri)
+    cfg = _cfg(mlm_shards, tmp_path / "run", uri)
     run_pretraining(cfg)
     folder = Path(cfg.checkpoint_dir)
     state, _ = ckpt.read_state(str(folder), "global_step12", 0)
@@ -73,7 +78,7 @@ def test_modernbert_trains_resumes_exactly_exports_and_continues(
     # exact resume: back to step 8, the same command again
     shutil.rmtree(folder / "global_step12")
     (folder / "latest").write_text("global_step8")
-    run_pretraining(_cfg(pretrain_shards, tmp_path / "run", uri))
+    run_pretraining(_cfg(mlm_shards, tmp_path / "run", uri))
     again = [v for s, v in _losses(uri, state.mlflow_run_id) if s > 8]
     assert len(again) == 8 and again[0::2] == again[1::2]  # steps 9-12 twice, bit for bit
 
@@ -95,11 +100,25 @@ def test_modernbert_trains_resumes_exactly_exports_and_continues(
     torch.testing.assert_close(mine[real], theirs[real], atol=2e-5, rtol=1e-4)
 
     # continued pre-training from the exported folder: same architecture, its weights
-    cont = _cfg(pretrain_shards, tmp_path / "cont", uri, steps=2, model__init_from=tmp_path / "hf")
+    cont = _cfg(mlm_shards, tmp_path / "cont", uri, steps=2, model__init_from=tmp_path / "hf")
     summary = run_pretraining(cont)
     assert summary["phase1"]["steps"] == 2
     first = _losses(uri, ckpt.read_state(cont.checkpoint_dir, "global_step2", 0)[0].mlflow_run_id)
     assert first[0][1] < losses[0] - 0.3  # starts where the export left off, not from scratch
+
+
+def test_bert_on_mlm_data_trains_without_nsp(mlm_shards: Path, tmp_path: Path) -> None:
+    """The paper's architecture on the mlm objective (RoBERTa's recipe): no NSP labels reach
+    the model, so no NSP loss or accuracy is logged, and the masks are the 30% of the data."""
+    import mlflow
+
+    uri = sqlite_uri(tmp_path / "mlflow.db")
+    cfg = _cfg(mlm_shards, tmp_path / "run", uri, steps=2, family="bert")
+    run_pretraining(cfg)
+    state, _ = ckpt.read_state(cfg.checkpoint_dir, "global_step2", 0)
+    assert "family" not in state.model
+    metrics = mlflow.MlflowClient(tracking_uri=uri).get_run(state.mlflow_run_id).data.metrics
+    assert "train/mlm_loss" in metrics and not any("nsp" in key for key in metrics)
 
 
 def test_family_settings_are_checked_before_anything_runs(tmp_path: Path) -> None:
@@ -108,9 +127,9 @@ def test_family_settings_are_checked_before_anything_runs(tmp_path: Path) -> Non
 
     assert load("model.preset=modernbert-base").model.resolved_family == "modernbert"
     assert load("model.preset=base").model.resolved_family == "bert"
-    with pytest.raises(ConfigError, match="model.preset.*family=modernbert"):
+    with pytest.raises(ConfigError, match=r"model.preset.*family=modernbert"):
         load("model.family=bert", "model.preset=modernbert-large")
-    with pytest.raises(ConfigError, match="model.pre_layer_norm.*bert setting"):
+    with pytest.raises(ConfigError, match=r"model.pre_layer_norm.*bert setting"):
         load("model.family=modernbert", "model.pre_layer_norm=true")
-    with pytest.raises(ConfigError, match="model.local_attention.*modernbert setting"):
+    with pytest.raises(ConfigError, match=r"model.local_attention.*modernbert setting"):
         load("model.local_attention=64")
