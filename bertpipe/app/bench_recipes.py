@@ -221,7 +221,7 @@ def _pretrain(
             "checkpoint.every_steps=0",
             "checkpoint.keep_last=1",
             "checkpoint.resume=none",
-            "log_every_steps=50",
+            "log_every_steps=10",
             f"tracking.run_name=recipes-{name}",
             *common,
         ],
@@ -238,7 +238,8 @@ def _pretrain(
         "condition": condition,
         "seed": seed,
         "steps": steps,
-        "wall_s": wall,
+        "run_s": wall,
+        "wall_s": steps * _step_seconds(cfg, uri_of(common)),
         "tokens": steps * args.batch * _mean_tokens(out / f"shards-{recipe}" / f"seq{s}"),
         "checkpoints": str(folder / "checkpoints"),
         "heldout": {
@@ -248,6 +249,27 @@ def _pretrain(
     }
     record.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def uri_of(common: list[str]) -> str:
+    return next(item.split("=", 1)[1] for item in common if item.startswith("tracking.uri="))
+
+
+def _step_seconds(cfg: Any, uri: str) -> float:
+    """Seconds per optimizer step of the run, from the times its loss was logged (every
+    ``log_every_steps``): the training alone, not the process's start-up, the engine's
+    set-up, the evaluation or the checkpoint."""
+    import mlflow
+
+    from bertpipe.training import checkpoint as ckpt
+
+    state, _ = ckpt.read_state(cfg.checkpoint_dir, ckpt.latest_tag(cfg.checkpoint_dir), 0)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    history = sorted(
+        (m.step, m.timestamp) for m in client.get_metric_history(state.mlflow_run_id, "train/loss")
+    )
+    (first, t0), (last, t1) = history[0], history[-1]
+    return (t1 - t0) / 1000 / max(last - first, 1)
 
 
 def _heldout_accuracy(checkpoints: Path, phase: Path) -> float:
