@@ -72,9 +72,9 @@ from bertpipe.training.faults import Faults
 from bertpipe.training.guard import SkipGuard
 from bertpipe.training.hardware import check_hardware, local_hardware
 from bertpipe.training.loop import run_loop
-from bertpipe.training.optim import warmup_decay
 from bertpipe.training.peers import watched
 from bertpipe.training.resume import FINETUNE_FIXED, mlflow_tags
+from bertpipe.training.schedules import warmup_decay
 from bertpipe.training.step import StepResult
 
 log = logging.getLogger(__name__)

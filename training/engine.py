@@ -6,7 +6,7 @@ with :func:`build_engine`, the only ``deepspeed.initialize`` in bertpipe. The De
 is a function of the spec (:func:`deepspeed_config`), logged with every run; there are no
 hand-kept JSON files. The learning rate follows a ``LambdaLR`` schedule that DeepSpeed steps
 once per optimizer step and saves in its checkpoints; it is set in one place,
-:func:`bertpipe.training.optim.schedule_learning_rate`, at build and at resume.
+:func:`bertpipe.training.schedules.schedule_learning_rate`, at build and at resume.
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from bertpipe.training.optim import (
     apply_settings,
     attach_zero_partitions,
     build_optimizer,
-    lr_lambda,
-    schedule_learning_rate,
 )
+from bertpipe.training.schedules import lr_lambda, schedule_learning_rate
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,8 @@ from torch import nn
 from bertpipe.config import ConfigError, load_config
 from bertpipe.training.config import OptimizerConfig, PhaseSpec, PretrainConfig
 from bertpipe.training.engine import ds_config
-from bertpipe.training.optim import Lamb, build_optimizer, lr_lambda, param_groups
+from bertpipe.training.optim import Lamb, build_optimizer, param_groups
+from bertpipe.training.schedules import lr_lambda
 
 
 class Tiny(nn.Module):

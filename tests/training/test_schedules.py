@@ -21,7 +21,8 @@ from torch import nn
 
 from bertpipe.config import ConfigError, from_dict, load_config
 from bertpipe.training.config import PhaseSpec, PretrainConfig
-from bertpipe.training.optim import lr_lambda, param_groups, warmup_stable_decay
+from bertpipe.training.optim import param_groups
+from bertpipe.training.schedules import lr_lambda, warmup_stable_decay
 
 # --------------------------------------------------------------------------- the curve
 
