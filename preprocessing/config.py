@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from bertpipe.config import ConfigError
+from bertpipe.preprocessing.quality import QualityConfig
 from bertpipe.preprocessing.readers import InputConfig
 from bertpipe.tracking import TrackingConfig
 
@@ -165,6 +166,10 @@ class PreprocessConfig:
     single-sentence chunk would get a random B every time), 1 for ``mlm`` (a one-sentence
     document packs as well as any)."""
     masking: MaskingConfig = field(default_factory=MaskingConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
+    """Corpus quality before instances are made: filters, decontamination against evaluation
+    sets, exact and near-duplicate removal (all off: the paper recipe's output). See
+    docs/corpus-quality.md."""
     heldout_fraction: float = 0.01
     """Share of documents (by stable hash of the id) written to the held-out split."""
     bucket_mb: float = 32.0

@@ -37,6 +37,7 @@ from bertpipe import fsio
 from bertpipe.config import ConfigError, to_dict
 from bertpipe.errors import BertpipeError
 from bertpipe.preprocessing.config import PreprocessConfig
+from bertpipe.preprocessing.dedup import quality_folder, samples_folder
 from bertpipe.preprocessing.pipeline import (
     Plan,
     manifest_url,
@@ -70,6 +71,8 @@ class OutputExistsError(BertpipeError, FileExistsError):
 def job_identity(plan: Plan, ranges: Sequence[ReadRange]) -> dict[str, Any]:
     """What makes two runs the same job (a continued job must be this one)."""
     config = {k: v for k, v in to_dict(plan.cfg).items() if k not in _OPERATIONAL}
+    if not plan.cfg.quality.enabled:
+        config.pop("quality", None)
     return {
         "config": config,
         "tokenizer_sha256": plan.tokenizer_sha256,
@@ -121,6 +124,8 @@ def check_output(cfg: PreprocessConfig, identity: dict[str, Any], shard_file: An
 def _writable_folders(cfg: PreprocessConfig) -> list[str]:
     folders = [cfg.output, spill_folder(cfg.output), progress_folder(cfg.output)]
     folders.append(resume_folder(cfg.output))
+    if cfg.quality.enabled:
+        folders += [quality_folder(cfg.output), samples_folder(cfg.output)]
     for phase in cfg.phases:
         folders += [fsio.join(cfg.output, phase.name), parts_folder(cfg.output, phase.name)]
     return folders
@@ -159,6 +164,7 @@ def remove_scratch(cfg: PreprocessConfig) -> None:
     """The job's scratch folders (a finished or restarted job's)."""
     folders = [parts_folder(cfg.output, p.name) for p in cfg.phases]
     folders += [spill_folder(cfg.output), progress_folder(cfg.output), resume_folder(cfg.output)]
+    folders.append(quality_folder(cfg.output))
     fsio.remove(folders, recursive=True)
 
 
@@ -177,6 +183,7 @@ def start_output(cfg: PreprocessConfig, identity: dict[str, Any], continuing: bo
         return
     if cfg.overwrite:  # readers must never pair an old manifest with new shards
         fsio.remove(manifest_url(cfg.output, p.name) for p in cfg.phases)
+        fsio.remove([samples_folder(cfg.output)], recursive=True)
     remove_scratch(cfg)
     fsio.remove(_partial_files(cfg))
     record = {"digest": _digest(identity), "identity": identity}
@@ -186,9 +193,11 @@ def start_output(cfg: PreprocessConfig, identity: dict[str, Any], continuing: bo
 def _partial_files(cfg: PreprocessConfig) -> list[str]:
     """Files a task was writing when the job stopped (``fsio.atomic_writer``'s temporaries)."""
     found = []
+    folders = [quality_folder(cfg.output)]
     for phase in cfg.phases:
-        for folder in (fsio.join(cfg.output, phase.name), parts_folder(cfg.output, phase.name)):
-            found += [u for u in fsio.list_files(folder) if ".tmp-" in u.rsplit("/", 1)[-1]]
+        folders += [fsio.join(cfg.output, phase.name), parts_folder(cfg.output, phase.name)]
+    for folder in folders:
+        found += [u for u in fsio.list_files(folder) if ".tmp-" in u.rsplit("/", 1)[-1]]
     return found
 
 

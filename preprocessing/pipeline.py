@@ -43,6 +43,18 @@ from apache_beam.metrics import Metrics
 from bertpipe import fsio
 from bertpipe.config import to_dict
 from bertpipe.preprocessing.config import PhaseConfig, PreprocessConfig
+from bertpipe.preprocessing.dedup import (
+    REASONS,
+    DropRef,
+    FindDuplicatesFn,
+    RangeQuality,
+    RecordRef,
+    ResolveDuplicatesFn,
+    Samples,
+    WriteSamplesFn,
+    order_key,
+    sample_rank,
+)
 from bertpipe.preprocessing.instances import DocumentSet, TokenizedDoc, assemble, create_pairs
 from bertpipe.preprocessing.masking import MaskingSpec, mask_block
 from bertpipe.preprocessing.packing import SentenceTable, assemble_packed, pack_sentences
@@ -106,6 +118,10 @@ class Plan:
     """Ids of ``##`` pieces (for whole-word masking)."""
     continuing: bool = False
     """The job continues a stopped one in its output (tasks it finished are not run again)."""
+    eval_index_url: str | None = None
+    """Decontamination: where workers load the evaluation sets' n-grams from."""
+    dedup_partitions: int = 1
+    """Partitions of the deduplication keys (as many as buckets: memory per task stays flat)."""
 
     def phase(self, name: str) -> PhaseConfig:
         return next(p for p in self.cfg.phases if p.name == name)
@@ -232,6 +248,12 @@ class ReadTokenizeFn(beam.DoFn):
             )
         self._encoder = CorpusEncoder(tokenizer)
         self._dtype = plan.dtype
+        self._index = None
+        if plan.eval_index_url:
+            from bertpipe.preprocessing.quality import EvalIndex
+
+            with fsio.open_url(plan.eval_index_url, "rb") as f:
+                self._index = EvalIndex.from_bytes(f.read())
 
     def process(self, task: ReadRange) -> Iterator[Any]:
         cfg = self._plan.cfg
@@ -240,12 +262,21 @@ class ReadTokenizeFn(beam.DoFn):
         if done is not None:  # a continued job: the range's spill file is complete
             for split, bucket, url, offset, length in done["refs"]:
                 yield "spill", ((split, bucket), SpillRef(url, offset, length))
+            for partition, url, offset, count in done.get("dedup", []):
+                yield "dedup", (partition, RecordRef(url, offset, count))
+            for reason, items in done.get("samples", []):
+                yield "samples", (reason, items)
             _count(Counter(done["counts"]))
             yield "counts", done["counts"]
             return
         counts: Counter[str] = Counter()
         spill = _Spill(fsio.join(spill_folder(cfg.output), f"{task.index:06d}.bin"))
         refs: list[list[Any]] = []
+        quality = None
+        if cfg.quality.enabled:
+            quality = RangeQuality(
+                cfg.quality, self._index, cfg.output, task.index, self._plan.dedup_partitions
+            )
         docs = read_documents(
             task.url,
             cfg.input,
@@ -255,37 +286,57 @@ class ReadTokenizeFn(beam.DoFn):
             end=task.end,
             offset_ids=task.split,
         )
-        batch: list[Document] = []
+        batch: list[tuple[Document, int, Any]] = []
         try:
-            for doc in docs:
+            for ordinal, doc in enumerate(docs):
                 counts["documents_read"] += 1
-                batch.append(doc)
+                verdict = None
+                if quality is not None:
+                    verdict = quality.check(doc.doc_id, doc.sentences, counts)
+                    if verdict.reason is not None:
+                        continue
+                    if verdict.sentences is not None:
+                        doc = Document(doc.doc_id, verdict.sentences)
+                batch.append((doc, order_key(task.index, ordinal), verdict))
                 if len(batch) == cfg.tokenize_batch_documents:
-                    self._tokenize(batch, spill, counts)
+                    self._tokenize(batch, spill, counts, quality)
                     batch = []
                     if spill.buffered >= SPILL_BYTES:
                         for ref in spill.flush():
                             refs.append([*ref[0], *ref[1]])
                             yield "spill", ref
-            self._tokenize(batch, spill, counts)
+            self._tokenize(batch, spill, counts, quality)
             for ref in spill.flush():
                 refs.append([*ref[0], *ref[1]])
                 yield "spill", ref
         finally:
             spill.close()
+        record: dict[str, Any] = {"refs": refs}
+        if quality is not None:
+            dedup = quality.finish()
+            record["dedup"] = [[p, *ref] for p, ref in dedup]
+            record["samples"] = quality.samples.items()
+            yield from (("dedup", item) for item in dedup)
+            yield from (("samples", (reason, items)) for reason, items in record["samples"])
         _count(counts)
         Metrics.counter(NAMESPACE, "text_bytes_read").inc(task.text_bytes)
-        _finish(cfg.output, name, {"refs": refs, "counts": dict(counts)})
+        _finish(cfg.output, name, {**record, "counts": dict(counts)})
         _mark_done(cfg.output, name)
         yield "counts", dict(counts)
 
-    def _tokenize(self, batch: list[Document], spill: _Spill, counts: Counter[str]) -> None:
+    def _tokenize(
+        self,
+        batch: list[tuple[Document, int, Any]],
+        spill: _Spill,
+        counts: Counter[str],
+        quality: RangeQuality | None,
+    ) -> None:
         if not batch:
             return
         cfg = self._plan.cfg
-        ids = self._encoder.encode([s for doc in batch for s in doc.sentences])
+        ids = self._encoder.encode([s for doc, _, _ in batch for s in doc.sentences])
         pos = 0
-        for doc in batch:
+        for doc, order, verdict in batch:
             doc_ids = [x for x in ids[pos : pos + len(doc.sentences)] if x]
             pos += len(doc.sentences)
             counts["sentences_empty_after_tokenization"] += len(doc.sentences) - len(doc_ids)
@@ -304,7 +355,9 @@ class ReadTokenizeFn(beam.DoFn):
             counts["sentences"] += len(doc_ids)
             counts["tokens"] += total
             tokenized = TokenizedDoc(doc.doc_id, tokens, np.cumsum(lengths, dtype=np.int32))
-            spill.add((split, bucket), tokenized.pack())
+            spill.add((split, bucket), order, tokenized.pack())
+            if quality is not None:
+                quality.keep(order & 0xFFFFFFFF, verdict)
 
 
 class SpillRef(NamedTuple):
@@ -315,12 +368,17 @@ class SpillRef(NamedTuple):
     length: int
 
     def documents(self) -> Iterator[TokenizedDoc]:
+        return (doc for _, doc in self.entries())
+
+    def entries(self) -> Iterator[tuple[int, TokenizedDoc]]:
+        """``(order key, document)`` of each document (see :mod:`.dedup`)."""
         data = _read_range(self.url, self.offset, self.length)
         pos = 0
         while pos < len(data):
             size = int.from_bytes(data[pos : pos + 4], "little")
-            yield TokenizedDoc.unpack(data[pos + 4 : pos + 4 + size])
-            pos += 4 + size
+            order = int.from_bytes(data[pos + 4 : pos + 12], "little")
+            yield order, TokenizedDoc.unpack(data[pos + 12 : pos + 12 + size])
+            pos += 12 + size
 
 
 class _Spill:
@@ -333,9 +391,10 @@ class _Spill:
         self._out: Any = None
         self._written = 0
 
-    def add(self, key: tuple[str, int], packed: bytes) -> None:
-        self._buffers.setdefault(key, []).append(len(packed).to_bytes(4, "little") + packed)
-        self.buffered += len(packed) + 4
+    def add(self, key: tuple[str, int], order: int, packed: bytes) -> None:
+        head = len(packed).to_bytes(4, "little") + order.to_bytes(8, "little")
+        self._buffers.setdefault(key, []).append(head + packed)
+        self.buffered += len(packed) + 12
 
     def flush(self) -> list[tuple[tuple[str, int], SpillRef]]:
         if not self._buffers:
@@ -376,6 +435,9 @@ class CreateInstancesFn(beam.DoFn):
 
     def setup(self) -> None:
         plan = self._plan
+        self._drops: tuple[DropRef, np.ndarray] | None = None
+        self._tokenizer: Any = None
+        self._samples: list[list[Any]] = []
         mcfg = plan.cfg.masking
         continuation = np.zeros(plan.vocab_size, dtype=bool)
         continuation[list(plan.continuation_ids)] = True
@@ -394,13 +456,20 @@ class CreateInstancesFn(beam.DoFn):
             for p in plan.cfg.phases
         }
 
-    def process(self, element: tuple[tuple[str, int], Iterable[SpillRef]]) -> Iterator[Any]:
-        (split, bucket), refs = element
+    def process(
+        self, element: tuple[tuple[str, int], Iterable[SpillRef | DropRef]]
+    ) -> Iterator[Any]:
+        (split, bucket), values = element
+        values = list(values)
+        refs = [v for v in values if isinstance(v, SpillRef)]
+        if not refs:
+            return  # deduplication's drops reach every bucket, also those without documents
+        drops = next((v for v in values if isinstance(v, DropRef)), None)
         cfg = self._plan.cfg
         name = f"instances-{split}-{bucket:06d}"
         done = finished(cfg.output, name)
         if done is None:  # else a continued job: the bucket's part files are complete
-            out = list(self._create(split, bucket, refs))
+            out = list(self._create(split, bucket, refs, drops))
             _finish(cfg.output, name, [[kind, _plain(value)] for kind, value in out])
         else:
             out = [(kind, _revived(kind, value)) for kind, value in done]
@@ -408,12 +477,22 @@ class CreateInstancesFn(beam.DoFn):
         if split == "train":
             _mark_done(cfg.output, f"bucket-{bucket:06d}")
 
-    def _create(self, split: str, bucket: int, refs: Iterable[SpillRef]) -> Iterator[Any]:
+    def _create(
+        self, split: str, bucket: int, refs: Iterable[SpillRef], drops: DropRef | None
+    ) -> Iterator[Any]:
         plan, cfg = self._plan, self._plan.cfg
+        entries = [entry for ref in sorted(refs) for entry in ref.entries()]
+        removed: Counter[str] = Counter()  # the read stage counted them in: taken out again
+        if drops is not None:
+            entries = list(self._dropped(split, entries, drops, removed))
+            yield from (("samples", (reason, items)) for reason, items in self._samples)
         # document-id order, whatever ranges and flushes the documents came in
-        docs = sorted(
-            (doc for ref in sorted(refs) for doc in ref.documents()), key=lambda d: d.doc_id
-        )
+        docs = sorted((doc for _, doc in entries), key=lambda d: d.doc_id)
+        del entries
+        if not docs:
+            for phase in cfg.phases:
+                yield "stats", (phase.name, ("stats", dict(removed)))
+            return
         docset = DocumentSet.from_docs(docs)
         del docs
         table = SentenceTable.from_docset(docset) if cfg.objective == "mlm" else None
@@ -450,7 +529,56 @@ class CreateInstancesFn(beam.DoFn):
                 yield "parts", ((phase.name, split, shard), ref)
             Metrics.counter(NAMESPACE, f"{phase.name}_{split}_instances").inc(counts["instances"])
             stats = {f"{split}.{k}": v for k, v in counts.items()}
-            yield "stats", (phase.name, ("stats", stats))
+            yield "stats", (phase.name, ("stats", {**stats, **removed}))
+
+    def _dropped(
+        self,
+        split: str,
+        entries: list[tuple[int, TokenizedDoc]],
+        drops: DropRef,
+        removed: Counter[str],
+    ) -> Iterator[tuple[int, TokenizedDoc]]:
+        """``entries`` without the documents deduplication removed; those are taken out of
+        the read stage's counts (``removed``), and the review samples among them yielded as
+        ``("samples", ...)`` values (decoded) through :meth:`process`'s output."""
+        if self._drops is None or self._drops[0] != drops:
+            self._drops = (drops, drops.load())
+        table = self._drops[1]
+        samples = Samples(self._plan.cfg.quality.samples)
+        for order, doc in entries:
+            at = int(np.searchsorted(table["order"], np.uint64(order)))
+            if at == len(table) or int(table["order"][at]) != order:
+                yield order, doc
+                continue
+            row = table[at]
+            removed["documents_kept"] -= 1
+            removed[f"{split}_documents"] -= 1
+            removed["sentences"] -= len(doc.sentence_ends)
+            removed["tokens"] -= int(doc.tokens.size)
+            if row["sample"]:
+                reason = REASONS[int(row["reason"])]
+                record = {
+                    "id": doc.doc_id,
+                    "reason": reason,
+                    "similarity": round(float(row["sim"]), 4),
+                    "kept_order_key": int(row["kept"]),
+                    "text": self._decode(doc),
+                }
+                samples.add(reason, sample_rank(doc.doc_id), record)
+        self._samples = samples.items()
+
+    def _decode(self, doc: TokenizedDoc) -> str:
+        if self._tokenizer is None:
+            from bertpipe.preprocessing.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(
+                self._plan.tokenizer_url, lowercase=self._plan.cfg.lowercase
+            )
+        starts = np.concatenate(([0], doc.sentence_ends[:-1]))
+        return "\n".join(
+            self._tokenizer.decode(doc.tokens[a:b].tolist())
+            for a, b in zip(starts, doc.sentence_ends, strict=True)
+        )
 
     def _instances(
         self,
@@ -644,6 +772,9 @@ def _revived(kind: str, value: Any) -> Any:
     if kind == "parts":
         (phase, split, shard), ref = value
         return ((phase, split, shard), PartRef(*ref))
+    if kind == "samples":
+        reason, items = value
+        return (reason, items)
     phase, (tag, stats) = value
     return (phase, (tag, stats))
 
@@ -685,6 +816,10 @@ class WriteManifestFn(beam.DoFn):
         shards = [v for kind, v in values if kind == "shard"]
         stats = [v for kind, v in values if kind == "stats"]
         manifest = build_manifest(self._plan, phase_name, shards, stats)
+        if self._plan.cfg.quality.enabled:  # the review samples written, by reason
+            manifest["quality_samples"] = sorted(
+                f"quality/{v}.jsonl" for kind, v in values if kind == "samples"
+            )
         text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
         fsio.atomic_write_text(manifest_url(self._plan.cfg.output, phase_name), text)
         yield phase_name, text
@@ -792,11 +927,20 @@ def build_manifest(
         "splits": splits,
         "stats": stats,
         # what determines the data; where it was written and how it was logged do not
-        "config": {k: v for k, v in to_dict(cfg).items() if k not in _OPERATIONAL_KEYS},
+        "config": _data_config(cfg),
     }
 
 
 _OPERATIONAL_KEYS = ("output", "overwrite", "tracking")
+
+
+def _data_config(cfg: PreprocessConfig) -> dict[str, Any]:
+    """What determines the data; where it was written and how it was logged do not (nor
+    quality settings that are all off: manifests from before they existed stay the same)."""
+    out = {k: v for k, v in to_dict(cfg).items() if k not in _OPERATIONAL_KEYS}
+    if not cfg.quality.enabled:
+        out.pop("quality", None)
+    return out
 
 
 def _derived(part: dict[str, int]) -> dict[str, Any]:
@@ -833,14 +977,35 @@ def build_pipeline(p: beam.Pipeline, plan: Plan, ranges: list[ReadRange]) -> bea
         | "ListRanges" >> beam.Create(ranges)
         | "SpreadRanges" >> beam.Reshuffle()
         | "ReadTokenize" >> beam.ParDo(ReadTokenizeFn(plan))
-        | "SplitRead" >> Demux("spill", "counts")
+        | "SplitRead" >> Demux("spill", "counts", "dedup", "samples")
     )
+    bucket_inputs = read["spill"]
+    counts = [read["counts"]]
+    if cfg.quality.dedup.enabled:
+        drops, dedup_counts = _deduplicate(plan, read["dedup"])
+        bucket_inputs = (bucket_inputs, drops) | "WithDrops" >> beam.Flatten()
+        counts.append(dedup_counts)
     instances = (
-        read["spill"]
+        bucket_inputs
         | "GroupByBucket" >> beam.GroupByKey()
         | "CreateInstances" >> beam.ParDo(CreateInstancesFn(plan))
-        | "SplitInstances" >> Demux("parts", "stats")
+        | "SplitInstances" >> Demux("parts", "stats", "samples")
     )
+    to_manifests = [instances["stats"]]
+    if cfg.quality.enabled:
+        # into the manifests' grouping: Beam's DaskRunner computes only the ancestors of the
+        # pipeline's last step, so a branch that ends apart from it would never run there
+        written = (
+            (read["samples"], instances["samples"])
+            | "AllSamples" >> beam.Flatten()
+            | "GroupByReason" >> beam.GroupByKey()
+            | "WriteSamples" >> beam.ParDo(WriteSamplesFn(cfg.output, cfg.quality.samples))
+        )
+        to_manifests.append(
+            written
+            | "SamplesPerPhase"
+            >> beam.FlatMap(lambda r: [(name, ("samples", r)) for name in phase_names])
+        )
     shards = (
         instances["parts"]
         | "GroupByShard" >> beam.GroupByKey()
@@ -848,12 +1013,37 @@ def build_pipeline(p: beam.Pipeline, plan: Plan, ranges: list[ReadRange]) -> bea
     )
     # statistics and shard records meet the shards' phase in one grouping: the manifest of a
     # phase is written after all of its shards
-    corpus_counts = read["counts"] | "PerPhase" >> beam.FlatMap(
-        lambda c: [(name, ("stats", c)) for name in phase_names]
-    )
+    corpus_counts = (
+        counts | "CorpusCounts" >> beam.Flatten() if len(counts) > 1 else counts[0]
+    ) | "PerPhase" >> beam.FlatMap(lambda c: [(name, ("stats", c)) for name in phase_names])
     return (
-        (shards, instances["stats"], corpus_counts)
+        (shards, corpus_counts, *to_manifests)
         | "ByPhase" >> beam.Flatten()
         | "GroupByPhase" >> beam.GroupByKey()
         | "WriteManifests" >> beam.ParDo(WriteManifestFn(plan))
     )
+
+
+def _deduplicate(plan: Plan, records: beam.PCollection) -> tuple[beam.PCollection, ...]:
+    """The records' references -> ``((split, bucket), DropRef)`` for every bucket, and the
+    deduplication's counts (see :mod:`bertpipe.preprocessing.dedup`)."""
+    cfg = plan.cfg
+    found = (
+        records
+        | "GroupByPartition" >> beam.GroupByKey()
+        | "FindDuplicates" >> beam.ParDo(FindDuplicatesFn(cfg.output, cfg.quality.dedup))
+        | "SplitFound" >> Demux("edges", "counts")
+    )
+    resolved = (
+        found["edges"]
+        | "KeyEdges" >> beam.Map(lambda edges: (0, edges))
+        | "GroupAllEdges" >> beam.GroupByKey()
+        | "ResolveDuplicates" >> beam.ParDo(ResolveDuplicatesFn(cfg.output, cfg.quality.samples))
+        | "SplitResolved" >> Demux("drops", "counts")
+    )
+    buckets = [(split, b) for split in SPLITS for b in range(plan.num_buckets)]
+    drops = resolved["drops"] | "DropsToBuckets" >> beam.FlatMap(
+        lambda ref: [(key, ref) for key in buckets]
+    )
+    counts = (found["counts"], resolved["counts"]) | "DedupCounts" >> beam.Flatten()
+    return drops, counts

@@ -25,6 +25,8 @@ from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
 from bertpipe.fsio import common_root
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
+from bertpipe.preprocessing.dedup import quality_folder
+from bertpipe.preprocessing.evalsets import eval_files, eval_texts
 from bertpipe.preprocessing.job_output import (
     OutputExistsError,
     check_output,
@@ -40,6 +42,7 @@ from bertpipe.preprocessing.pipeline import (
     manifest_url,
     progress_folder,
 )
+from bertpipe.preprocessing.quality import build_eval_index
 from bertpipe.preprocessing.ranges import ReadRange, plan_ranges
 from bertpipe.preprocessing.readers import InputGoneError, read_documents
 from bertpipe.preprocessing.tokenizer import (
@@ -210,9 +213,35 @@ def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[ReadRange]]:
         },
         continuation_ids=tuple(sorted(i for t, i in vocab.items() if t.startswith("##"))),
     )
+    if cfg.quality.decontaminate.enabled:
+        eval_files(cfg.quality.decontaminate.paths)  # they exist and are evaluation files
+        plan = dataclasses.replace(
+            plan, eval_index_url=fsio.join(quality_folder(cfg.output), "eval-index.npz")
+        )
+    if cfg.quality.dedup.enabled:
+        plan = dataclasses.replace(plan, dedup_partitions=plan.num_buckets)
     check_writable(cfg)  # every folder it writes, before anything is read or deleted
     continuing = check_output(cfg, job_identity(plan, ranges), _SHARD_FILE)
     return dataclasses.replace(plan, continuing=continuing), ranges
+
+
+def write_eval_index(plan: Plan) -> None:
+    """The evaluation sets' n-grams, where the workers load them from (decontamination)."""
+    if plan.eval_index_url is None:
+        return
+    cfg = plan.cfg.quality.decontaminate
+    started = time.monotonic()
+    index = build_eval_index(eval_texts(cfg.paths), cfg)
+    fsio.atomic_write_bytes(plan.eval_index_url, index.to_bytes())
+    log.info(
+        "preprocess: decontamination against %d evaluation set(s) (%s): %d n-grams of %s "
+        "words, in %.1f s",
+        len(index.names),
+        ", ".join(index.names),
+        sum(len(h) for h in index.hashes),
+        "/".join(map(str, index.lengths)) or "-",
+        time.monotonic() - started,
+    )
 
 
 def make_pipeline(beam_args: Sequence[str], tasks: int = 1, text_bytes: int = 0):  # type: ignore[no-untyped-def]
@@ -362,6 +391,7 @@ def _run_pipeline(
 ) -> tuple[dict[str, dict[str, Any]], float]:
     """The Beam job, then its manifests read back (each with its ``_sha256``) and checked."""
     start_output(cfg, job_identity(plan, ranges), plan.continuing)
+    write_eval_index(plan)
     started = time.monotonic()
     pipeline = make_pipeline(beam_args, len(ranges), text_bytes)
     build_pipeline(pipeline, plan, ranges)

@@ -16,7 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["make_vocabulary", "synthetic_text", "write_synthetic_corpus"]
+__all__ = [
+    "make_vocabulary",
+    "shingle_jaccard",
+    "synthetic_text",
+    "write_planted_corpus",
+    "write_synthetic_corpus",
+]
 
 _ONSETS = [
     "b",
@@ -135,3 +141,123 @@ def write_synthetic_corpus(
         for h in handles:
             h.close()
     return paths
+
+
+def _words_of(doc: bytes) -> list[bytes]:
+    return doc.replace(b".", b" ").split()
+
+
+def shingle_jaccard(a: bytes, b: bytes, n: int = 5) -> float:
+    """Jaccard similarity of two documents' ``n``-word shingle sets (words as the quality
+    steps see them: these made-up words are ASCII letters, sentences end in '.')."""
+    wa, wb = _words_of(a.lower()), _words_of(b.lower())
+    sa = {tuple(wa[i : i + n]) for i in range(len(wa) - n + 1)}
+    sb = {tuple(wb[i : i + n]) for i in range(len(wb) - n + 1)}
+    return len(sa & sb) / max(1, len(sa | sb))
+
+
+def _mutate(doc: bytes, target: float, words: list[bytes], rng: np.random.Generator) -> bytes:
+    """``doc`` with words replaced at positions at least 5 apart, as many as make its 5-word
+    shingle sets' Jaccard similarity about ``target`` (each replacement changes 5 shingles)."""
+    lines = [line.split(b" ") for line in doc.rstrip(b"\n").split(b"\n")]
+    flat = [(i, j) for i, line in enumerate(lines) for j in range(len(line))]
+    shingles = len(flat) - 4
+    m = max(1, round(shingles * (1 - target) / (5 * (1 + target))))
+    slots = rng.choice(len(flat) // 5, size=min(m, len(flat) // 5), replace=False)
+    for slot in slots:
+        i, j = flat[slot * 5 + 2]
+        old = lines[i][j]
+        tail = b"." if old.endswith(b".") else b""
+        lines[i][j] = words[int(rng.integers(len(words)))] + b"zq" + tail  # a word not in it
+    return b"\n".join(b" ".join(line) for line in lines) + b"\n\n"
+
+
+def write_planted_corpus(
+    folder: str | Path,
+    megabytes: float,
+    files: int = 4,
+    seed: int = 0,
+    exact: float = 0.02,
+    near: float = 0.02,
+    near_jaccard: tuple[float, float] = (0.85, 0.95),
+    below: float = 0.02,
+    below_jaccard: tuple[float, float] = (0.4, 0.7),
+    eval_sentences: list[str] | None = None,
+    contaminated: float = 0.005,
+) -> dict[str, list[dict[str, object]]]:
+    """:func:`write_synthetic_corpus` with planted copies, for the quality steps' tests and
+    benchmark: after a document, with these probabilities, an exact copy of an earlier
+    document, a near-duplicate at a Jaccard similarity drawn from ``near_jaccard``, a copy
+    below the threshold (``below_jaccard``), or a document with one of ``eval_sentences``
+    inserted. Returns the truth: ``{"exact"|"near"|"below": [{"source", "copy", "jaccard"}],
+    "contaminated": [{"id", "sentence"}]}`` with document ids as the job names them in files
+    read whole (``part-NNNNN.txt:<ordinal>``); the same keys ending in ``_at`` hold the ids of
+    files read in byte ranges (``part-NNNNN.txt@<offset>``)."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"part-{i:05d}.txt" for i in range(files)]
+    handles = [p.open("wb") for p in paths]
+    rng = np.random.default_rng([seed, 3])
+    vocab = make_vocabulary(2000, seed + 1)
+    truth: dict[str, list[dict[str, object]]] = {
+        "exact": [],
+        "near": [],
+        "below": [],
+        "contaminated": [],
+    }
+    pool: list[tuple[tuple[str, str], bytes]] = []  # earlier documents that can be copied
+    written = [0]
+    count = [0]
+    offsets = [0] * files
+
+    def emit(doc: bytes) -> tuple[str, str]:
+        n = count[0]
+        f = n % files
+        at = offsets[f]
+        handles[f].write(doc)
+        offsets[f] += len(doc)
+        count[0] += 1
+        written[0] += len(doc)
+        return f"part-{f:05d}.txt:{n // files}", f"part-{f:05d}.txt@{at}"
+
+    target = int(megabytes * 1e6)
+    try:
+        for doc in synthetic_text(megabytes, seed):
+            if written[0] >= target:
+                break
+            if eval_sentences and rng.random() < contaminated and doc.count(b"\n") > 3:
+                sentence = eval_sentences[int(rng.integers(len(eval_sentences)))]
+                lines = doc.rstrip(b"\n").split(b"\n")
+                lines.insert(int(rng.integers(1, len(lines))), sentence.encode())
+                doc_id, doc_at = emit(b"\n".join(lines) + b"\n\n")
+                truth["contaminated"].append({"id": doc_id, "id_at": doc_at, "sentence": sentence})
+                continue
+            ids = emit(doc)
+            if doc.count(b"\n") > 3 and len(_words_of(doc)) >= 60:
+                pool.append((ids, doc))
+                if len(pool) > 500:
+                    pool.pop(int(rng.integers(len(pool))))
+            u = rng.random()
+            if not pool or u >= exact + near + below:
+                continue
+            (source_id, source_at), source = pool[int(rng.integers(len(pool)))]
+            if u < exact:
+                kind, copy = "exact", source
+            else:
+                kind = "near" if u < exact + near else "below"
+                low, high = near_jaccard if kind == "near" else below_jaccard
+                copy = _mutate(source, float(rng.uniform(low, high)), vocab, rng)
+            copy_id, copy_at = emit(copy)
+            truth[kind].append(
+                {
+                    "source": source_id,
+                    "copy": copy_id,
+                    "source_at": source_at,
+                    "copy_at": copy_at,
+                    "jaccard": round(shingle_jaccard(source, copy), 4),
+                }
+            )
+    finally:
+        for h in handles:
+            h.close()
+    return truth

@@ -104,7 +104,11 @@ def test_create_instances_then_write_shards(
     plan = _plan(tokenizer_dir, corpus_dir, tmp_path)
     docs = tokenized_docs(tokenizer_dir, 30, seed=3, min_sent=3, max_sent=20)
     spill = tmp_path / "spill.bin"
-    records = [len(d.pack()).to_bytes(4, "little") + d.pack() for d in reversed(docs)]
+    # a spill record: size, the document's order key (see dedup.py), the packed document
+    records = [
+        len(d.pack()).to_bytes(4, "little") + i.to_bytes(8, "little") + d.pack()
+        for i, d in enumerate(reversed(docs))
+    ]
     spill.write_bytes(b"".join(records))
     half = sum(map(len, records[:11]))
     # two pieces of the bucket, in either order: documents are sorted by id
