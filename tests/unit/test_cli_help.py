@@ -189,8 +189,8 @@ def test_help_one_key_and_bare_field_name(capsys: pytest.CaptureFixture[str]) ->
     assert listed_keys(out) == {"learning_rate"}
     _, out, _ = run_help(capsys, "finetune", "--help", "max_seq_length")
     assert listed_keys(out) == {"task.max_seq_length"}
-    _, out, _ = run_help(capsys, "preprocess", "--help", "paths")
-    assert listed_keys(out) == {"input.paths"}
+    _, out, _ = run_help(capsys, "preprocess", "--help", "paths")  # every key of that name
+    assert listed_keys(out) == {"input.paths", "quality.decontaminate.paths"}
 
 
 def test_help_config_option(capsys: pytest.CaptureFixture[str]) -> None:
