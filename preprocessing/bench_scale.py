@@ -55,6 +55,18 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
         "written, and continued with the same command: its wall times against the full run's",
     )
     group.add_argument(
+        "--planted",
+        action="store_true",
+        help="a synthetic corpus with planted copies: 2%% exact, 2%% near (Jaccard 0.85-0.95), "
+        "2%% below the threshold (0.4-0.7), 0.2%% with an evaluation sentence",
+    )
+    group.add_argument(
+        "--quality",
+        action="store_true",
+        help="with every quality step on: Gopher's filters, decontamination against the "
+        "planted evaluation set, exact and near-duplicate removal (implies --planted)",
+    )
+    group.add_argument(
         "--format",
         choices=("sentences", "parquet"),
         default="sentences",
@@ -62,8 +74,19 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_QUALITY = [
+    "quality.filters.gopher=true",
+    "quality.dedup.exact=true",
+    "quality.dedup.near=true",
+]
+
+
 def _corpus(args: argparse.Namespace, work: Path) -> Path:
-    from bertpipe.preprocessing.synthetic import write_synthetic_corpus
+    from bertpipe.preprocessing.synthetic import (
+        eval_sentences,
+        write_planted_corpus,
+        write_synthetic_corpus,
+    )
 
     source = Path(args.corpus).resolve() if args.corpus else None
     tag = f"{args.scale_mb:g}mb-{args.files}f-" + (
@@ -71,13 +94,29 @@ def _corpus(args: argparse.Namespace, work: Path) -> Path:
     )
     if args.format == "parquet":
         tag += "-parquet"
+    if args.planted or args.quality:
+        tag += "-planted"
     folder = work / f"corpus-{tag}"
     done = folder / ".complete"
     if done.exists():
         return folder
     shutil.rmtree(folder, ignore_errors=True)
     started = time.monotonic()
-    if source is None:
+    if source is None and (args.planted or args.quality):
+        truth = write_planted_corpus(
+            folder,
+            args.scale_mb,
+            files=args.files,
+            seed=args.seed,
+            eval_sentences=eval_sentences(),
+            contaminated=0.002,
+        )
+        (work / f"truth-{tag}.json").write_text(json.dumps(truth))
+        tasks = work / "eval-tasks" / "planted"
+        tasks.mkdir(parents=True, exist_ok=True)
+        rows = "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(eval_sentences()))
+        (tasks / "dev.tsv").write_text("sentence\tlabel\n" + rows)
+    elif source is None:
         write_synthetic_corpus(folder, args.scale_mb, files=args.files, seed=args.seed)
     else:
         _repeat(source, folder, args.scale_mb, args.files)
@@ -291,6 +330,11 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
             f"dupe_factor={args.dupe_factor}",
             "phases=[{name: seq128, max_seq_length: 128, max_predictions_per_seq: 20}]",
             "tracking.enabled=false",
+            *(
+                [*_QUALITY, f"quality.decontaminate.paths=[{work / 'eval-tasks'}]"]
+                if args.quality
+                else []
+            ),
             "--",
             *beam,
         ]
@@ -309,8 +353,20 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
         manifest = json.loads((out / "seq128" / "manifest.json").read_text())
         splits = manifest["splits"]
         preempted = _preempted(argv, out, work, env, cpus) if args.preempt else {}
+        corpus_stats = manifest["stats"]["corpus"]
+        removed = {k: v for k, v in corpus_stats.items() if k.startswith("removed_")}
+        truth_file = work / f"truth-{corpus.name.removeprefix('corpus-')}.json"
+        if args.quality and truth_file.exists():  # what was planted, to read the counts by
+            truth = json.loads(truth_file.read_text())
+            removed.update({f"planted_{k}": len(v) for k, v in truth.items()})
         return {
             **preempted,
+            **(
+                {"quality": True, "documents_read": corpus_stats["documents_read"], **removed}
+                if args.quality
+                else {}
+            ),
+            "planted": bool(args.planted or args.quality),
             "mb": round(text_mb, 1),
             "files": args.files,
             "format": args.format,

@@ -74,6 +74,12 @@ def add_preprocess_command(sub: argparse._SubParsersAction) -> None:
         handler=_preprocess,
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing shards")
+    parser.add_argument(
+        "--dry-run-quality",
+        action="store_true",
+        help="run only the quality steps (quality.*) and print what they would remove, by "
+        "reason; writes <output>/quality-report/, no shards",
+    )
 
 
 def _preprocess(args: argparse.Namespace, passthrough: list[str]) -> int:
@@ -88,6 +94,12 @@ def _preprocess(args: argparse.Namespace, passthrough: list[str]) -> int:
         [*(("input.paths", p) for p in cfg.input.paths), ("tokenizer", cfg.tokenizer)],
         [("output", cfg.output)],
     )
+    if args.dry_run_quality:
+        from bertpipe.preprocessing.quality_report import run_quality_report
+
+        report = run_quality_report(cfg, passthrough)
+        sys.stdout.write(json.dumps(report, sort_keys=True) + "\n")
+        return 0
     manifests = run_preprocess(cfg, passthrough)
     write_resolved_config(cfg, cfg.output, "preprocess.yaml")
     summary = {

@@ -122,6 +122,9 @@ class Plan:
     """Decontamination: where workers load the evaluation sets' n-grams from."""
     dedup_partitions: int = 1
     """Partitions of the deduplication keys (as many as buckets: memory per task stays flat)."""
+    report_only: bool = False
+    """``bertpipe preprocess --dry-run-quality``: documents are checked and counted, nothing
+    is spilled for instances."""
 
     def phase(self, name: str) -> PhaseConfig:
         return next(p for p in self.cfg.phases if p.name == name)
@@ -355,7 +358,8 @@ class ReadTokenizeFn(beam.DoFn):
             counts["sentences"] += len(doc_ids)
             counts["tokens"] += total
             tokenized = TokenizedDoc(doc.doc_id, tokens, np.cumsum(lengths, dtype=np.int32))
-            spill.add((split, bucket), order, tokenized.pack())
+            if not self._plan.report_only:
+                spill.add((split, bucket), order, tokenized.pack())
             if quality is not None:
                 quality.keep(order & 0xFFFFFFFF, verdict)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = [
+    "eval_sentences",
     "make_vocabulary",
     "shingle_jaccard",
     "synthetic_text",
@@ -170,6 +171,13 @@ def _mutate(doc: bytes, target: float, words: list[bytes], rng: np.random.Genera
         tail = b"." if old.endswith(b".") else b""
         lines[i][j] = words[int(rng.integers(len(words)))] + b"zq" + tail  # a word not in it
     return b"\n".join(b" ".join(line) for line in lines) + b"\n\n"
+
+
+def eval_sentences(count: int = 20, seed: int = 7) -> list[str]:
+    """Made-up evaluation sentences of 9 to 17 words (from their own vocabulary), to plant in
+    a corpus and decontaminate it of."""
+    words = [w.decode() for w in make_vocabulary(count * 18, seed=seed)]
+    return [" ".join(words[i * 18 : i * 18 + 9 + i % 9]) for i in range(count)]
 
 
 def write_planted_corpus(

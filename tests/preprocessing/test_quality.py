@@ -19,7 +19,8 @@ from bertpipe.preprocessing import quality as q
 from bertpipe.preprocessing.config import PreprocessConfig
 from bertpipe.preprocessing.evalsets import eval_files, eval_texts
 from bertpipe.preprocessing.run import run_preprocess
-from bertpipe.preprocessing.synthetic import make_vocabulary, write_planted_corpus
+from bertpipe.preprocessing.synthetic import eval_sentences, write_planted_corpus
+from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 
 # ----------------------------------------------------------------------------- the pieces
@@ -106,10 +107,7 @@ def test_invalid_quality_settings_fail_with_the_key() -> None:
 
 # ----------------------------------------------------------------------------- the job
 
-EVAL_SENTENCES = [
-    " ".join(w.decode() for w in make_vocabulary(400, seed=7)[i : i + 9 + i % 9])
-    for i in range(0, 360, 18)
-]
+EVAL_SENTENCES = eval_sentences()
 
 
 @pytest.fixture(scope="module")
@@ -270,6 +268,31 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
 
     # the same bytes on the direct runner's modes and Dask
     reference = _digests(tmp_path / "a")
+
+    # --dry-run-quality on the same output: the job's counts, printed; its shards untouched
+    done = run_cli(
+        [
+            "preprocess",
+            "--dry-run-quality",
+            f"input.paths=[{planted['root'] / 'corpus'}]",
+            f"tokenizer={planted['tokenizer']}",
+            f"output={tmp_path / 'a'}",
+            "bucket_mb=0.5",
+            "split_mb=0.6",
+            "tracking.enabled=false",
+            *extra,
+        ]
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["removed"] == {k[8:]: v for k, v in corpus.items() if k.startswith("removed_")}
+    assert report["contaminated_by"] == {"made-up/dev": len(contaminated)}
+    assert (tmp_path / "a" / "quality-report" / "contaminated.jsonl").exists()
+    assert _digests(tmp_path / "a") == {
+        **reference,
+        **{k: v for k, v in _digests(tmp_path / "a").items() if k.startswith("quality-report/")},
+    }
+    assert not (tmp_path / "a" / "_quality-report").exists()
     assert any(k.startswith("quality/") for k in reference)
     multi = tmp_path / "b"
     _run(
