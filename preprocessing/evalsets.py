@@ -6,8 +6,9 @@ preprocessing imports no later stage): every text a file holds, whatever its tas
 - ``.tsv`` / ``.csv`` (GLUE): every cell of every row (a label or an index is too short to
   form an n-gram and drops out by itself);
 - ``.json`` (SQuAD) and ``.jsonl``: every string value (contexts, questions, answers);
-- ``.conll`` / ``.iob`` / ``.txt`` (CoNLL): the first column's tokens, one text per sentence
-  (blank lines between sentences, ``-DOCSTART-`` lines skipped).
+- ``.conll`` / ``.iob`` / ``.txt`` / ``eng.testa`` / ``eng.testb`` (CoNLL): the first
+  column's tokens, one text per sentence (blank lines between sentences, ``-DOCSTART-`` lines
+  skipped).
 
 A folder contributes its files (recursively) except those whose name starts with ``train``:
 a task's training data is not evaluation text (name such a file to include it). Each file is
@@ -28,7 +29,7 @@ from bertpipe.config import ConfigError
 
 __all__ = ["SUFFIXES", "eval_files", "eval_texts"]
 
-SUFFIXES = (".tsv", ".csv", ".json", ".jsonl", ".conll", ".iob", ".txt")
+SUFFIXES = (".tsv", ".csv", ".json", ".jsonl", ".conll", ".iob", ".txt", ".testa", ".testb")
 
 
 def eval_files(paths: list[str]) -> list[tuple[str, str]]:

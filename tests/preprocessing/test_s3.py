@@ -29,7 +29,7 @@ from tests.conftest import synthetic_documents, write_sentence_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SCRATCH = ("_spill", "_parts", "_progress")
+SCRATCH = ("_spill", "_parts", "_progress", "_quality", "_resume")
 
 
 @dataclass
@@ -59,6 +59,10 @@ def _cfg(corpus: str, tokenizer: str, output: str) -> PreprocessConfig:
             "split_mb=0.03",
             "tokenize_batch_documents=16",
             "instances_per_sample=32",
+            # deduplication's records, signatures (ranged reads) and drops in the bucket too
+            "quality.dedup.exact=true",
+            "quality.dedup.near=true",
+            "quality.samples=3",
             "tracking.enabled=false",
         ],
     )
@@ -82,7 +86,10 @@ def job(s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jo
             mp.setenv(name, value)
         s3fs.S3FileSystem.clear_instance_cache()
         local = tmp_path_factory.mktemp("s3job")
-        write_sentence_files(local / "corpus", synthetic_documents(160, seed=7), files=3)
+        docs = synthetic_documents(160, seed=7)
+        # exact copies, and near ones (a word changed in a long document)
+        near = [[*d[:-1], d[-1].replace(" ", " zq ", 1)] for d in docs[20:40] if len(d) > 6]
+        write_sentence_files(local / "corpus", docs + docs[:8] + near, files=3)
         bucket = s3_server.make_bucket()
         fs, _ = fsio.to_fs(bucket)
         fs.put(str(local / "corpus"), f"{bucket}/corpus", recursive=True)
@@ -129,6 +136,8 @@ def _assert_same_as_local(job: Job, output: str) -> None:
     )
     assert got["splits"] == want["splits"]  # every shard's sha256, size and counts
     assert got["stats"] == want["stats"]
+    corpus = want["stats"]["corpus"]
+    assert corpus["removed_exact_duplicate"] > 0 and corpus["removed_near_duplicate"] > 0
     # only where the inputs lie differs
     assert {k: v for k, v in got["config"].items() if k not in ("input", "tokenizer")} == {
         k: v for k, v in want["config"].items() if k not in ("input", "tokenizer")
