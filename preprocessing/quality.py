@@ -41,7 +41,6 @@ SHA-1 then numpy: about 6x the time of this whole path, measured; BENCHMARKS.md)
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -260,8 +259,6 @@ _WORD_BYTE = np.zeros(256, dtype=bool)
 for _c in b"0123456789_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ":
     _WORD_BYTE[_c] = True
 _WORD_BYTE[0x80:] = True
-_LOWER = np.arange(256, dtype=np.uint64)
-_LOWER[65:91] += 32
 
 
 def word_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -284,12 +281,14 @@ def word_spans(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     edge = np.diff(word.astype(np.int8), prepend=np.int8(0), append=np.int8(0))
     starts = np.flatnonzero(edge == 1)
     ends = np.flatnonzero(edge == -1)
+    if not starts.size:
+        return np.zeros(0, dtype=np.uint64), starts, ends
     up, down = _POWERS.get(len(data))
-    # prefix sums of byte * P**position; a word's hash is its slice's sum, shifted back to 0
-    prefix = np.empty(len(data) + 1, dtype=np.uint64)
-    prefix[0] = 0
-    np.cumsum(_LOWER[data] * up, out=prefix[1:])
-    h = (prefix[ends] - prefix[starts]) * down[starts]
+    # a word's hash: the sum of its (lower-cased) bytes times P**position, shifted back to 0;
+    # separators count 0, so each sum from one word's start to the next's is that word's
+    lower = data | (((data - np.uint8(65)) < 26).view(np.uint8) << np.uint8(5))
+    lower *= word.view(np.uint8)
+    h = np.add.reduceat(lower.astype(np.uint64) * up, starts) * down[starts]
     return _mix(h + (ends - starts).astype(np.uint64)), starts, ends
 
 
@@ -298,15 +297,30 @@ def word_hashes(text: str) -> np.ndarray:
     return word_spans(text)[0]
 
 
-def ngram_hashes(hashes: np.ndarray, n: int) -> np.ndarray:
-    """[len - n + 1] uint64: the hash of every n consecutive words (empty if fewer)."""
+def gram_prefix(hashes: np.ndarray) -> np.ndarray:
+    """Prefix sums of word hash x P**position: :func:`ngram_hashes` of any length from them."""
+    prefix = np.zeros(len(hashes) + 1, dtype=np.uint64)
+    if len(hashes):
+        np.cumsum(hashes * _POWERS.get(len(hashes))[0], out=prefix[1:])
+    return prefix
+
+
+def ngram_hashes(
+    hashes: np.ndarray, n: int, prefix: np.ndarray | None = None, mix: bool = True
+) -> np.ndarray:
+    """[len - n + 1] uint64: the hash of every n consecutive words (empty if fewer): a
+    polynomial in their hashes, in O(len) for any ``n`` (give ``prefix``, from
+    :func:`gram_prefix`, when taking several lengths of the same words). ``mix=False`` skips
+    the final mixer: enough to look n-grams up (decontamination), not to rank them (MinHash
+    takes bins from the top bits)."""
     count = len(hashes) - n + 1
     if count <= 0:
         return np.zeros(0, dtype=np.uint64)
-    acc = hashes[:count] * _GRAM[0]
-    for k in range(1, n):
-        acc += hashes[k : k + count] * _GRAM[k]
-    return _mix(acc + np.uint64(n))
+    if prefix is None:
+        prefix = gram_prefix(hashes)
+    down = _POWERS.get(count)[1]
+    grams = (prefix[n:] - prefix[:count]) * down + np.uint64(n)
+    return _mix(grams) if mix else grams
 
 
 _PROBES: dict[int, np.ndarray] = {}
@@ -372,28 +386,45 @@ def exact_key(hashes: np.ndarray) -> int:
 
 # --------------------------------------------------------------------------- filters
 
-_LETTER_WORD = re.compile(r"\S*[^\W\d_]\S*")
+_SPACE = np.zeros(256, dtype=bool)
+_SPACE[[9, 10, 11, 12, 13, 32]] = True
+_LETTER = np.zeros(256, dtype=bool)
+_LETTER[65:91] = _LETTER[97:123] = True
+_LETTER[0xC0:] = True  # the first byte of a character beyond ASCII: counted as a letter
+
+
+def _token_stats(text: str) -> tuple[int, int, int]:
+    """White-space separated tokens of ``text``: how many, their characters, and how many
+    hold a letter (ASCII letters, or any character beyond ASCII)."""
+    data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    inside = ~_SPACE[data]
+    edge = np.diff(inside.view(np.int8), prepend=np.int8(0), append=np.int8(0))
+    starts = np.flatnonzero(edge == 1)
+    if not starts.size:
+        return 0, 0, 0
+    chars = int(np.count_nonzero(inside & ((data & 0xC0) != 0x80)))
+    # from one token's start to the next's: that token's letters (white space has none)
+    letters = np.add.reduceat(_LETTER[data].view(np.uint8), starts, dtype=np.int32)
+    with_letter = int(np.count_nonzero(letters))
+    return len(starts), chars, with_letter
 
 
 def filter_failures(sentences: Sequence[str], cfg: FilterConfig) -> str | None:
     """The first filter ``sentences`` (a document's lines) fails, as ``filter_<key>``; None
     when it passes them all."""
     text = "\n".join(sentences)
-    tokens = text.split()
-    n = len(tokens)
+    n, chars, with_letter = _token_stats(text)
     checks: list[tuple[str, float | None, float, bool]] = [
         ("min_words", cfg.min_words, n, True),
         ("max_words", cfg.max_words, n, False),
     ]
     if n:
-        mean = sum(map(len, tokens)) / n
+        mean = chars / n
         checks += [
             ("min_mean_word_length", cfg.min_mean_word_length, mean, True),
             ("max_mean_word_length", cfg.max_mean_word_length, mean, False),
+            ("min_alpha_words", cfg.min_alpha_words, with_letter / n, True),
         ]
-        if cfg.min_alpha_words is not None:
-            alpha = len(_LETTER_WORD.findall(text)) / n
-            checks.append(("min_alpha_words", cfg.min_alpha_words, alpha, True))
         if cfg.max_symbol_ratio is not None:
             ellipses = text.count("...") + text.count("\u2026")
             ratio = max(text.count("#"), ellipses) / n
@@ -453,13 +484,17 @@ class EvalIndex:
                 [z[f"o{n}"] for n in lengths],
             )
 
-    def matches(self, hashes: np.ndarray) -> tuple[np.ndarray, int]:
+    def matches(
+        self, hashes: np.ndarray, prefix: np.ndarray | None = None
+    ) -> tuple[np.ndarray, int]:
         """Which words of a document (its word hashes) an evaluation n-gram covers ([n]
         bool), and the sets those n-grams come from (a bit per set)."""
         covered = np.zeros(len(hashes), dtype=bool)
         owners = 0
+        if prefix is None:
+            prefix = gram_prefix(hashes)
         for n, table, owner in zip(self.lengths, self.hashes, self.owners, strict=True):
-            grams = ngram_hashes(hashes, n)
+            grams = ngram_hashes(hashes, n, prefix, mix=False)
             if not grams.size or not table.size:
                 continue
             at = np.minimum(np.searchsorted(table, grams), len(table) - 1)
@@ -494,7 +529,7 @@ def build_eval_index(texts: Iterable[tuple[str, str]], cfg: DecontaminationConfi
         n = cfg.ngram if len(h) >= cfg.ngram else len(h)
         if n < cfg.min_ngram:
             continue
-        grams.setdefault(n, []).append((ngram_hashes(h, n), bit))
+        grams.setdefault(n, []).append((ngram_hashes(h, n, mix=False), bit))
     lengths = sorted(grams)
     hashes, owners = [], []
     for n in lengths:
@@ -549,8 +584,9 @@ class DocQuality:
             return verdict
         text = "\n".join(sentences)
         hashes, starts, _ = word_spans(text)
+        prefix = gram_prefix(hashes)
         if self.index is not None:
-            covered, owners = self.index.matches(hashes)
+            covered, owners = self.index.matches(hashes, prefix)
             if owners:
                 verdict.eval_sets = self.index.set_names(owners)
                 if cfg.decontaminate.scope == "document":
@@ -565,10 +601,11 @@ class DocQuality:
                     verdict.reason = "contaminated"
                     return verdict
                 hashes = word_hashes("\n".join(verdict.sentences))
+                prefix = gram_prefix(hashes)
         dedup = cfg.dedup
         if dedup.exact:
             verdict.exact = exact_key(hashes)
         if dedup.near:
-            shingles = ngram_hashes(hashes, dedup.shingle_words)
+            shingles = ngram_hashes(hashes, dedup.shingle_words, prefix)
             verdict.signature = minhash(shingles, dedup.num_perm)
         return verdict
