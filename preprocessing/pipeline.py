@@ -466,19 +466,18 @@ class CreateInstancesFn(beam.DoFn):
         (split, bucket), values = element
         values = list(values)
         refs = [v for v in values if isinstance(v, SpillRef)]
-        if not refs:
-            return  # deduplication's drops reach every bucket, also those without documents
+        # (deduplication's drops reach every bucket, also those without documents: nothing)
         drops = next((v for v in values if isinstance(v, DropRef)), None)
         cfg = self._plan.cfg
         name = f"instances-{split}-{bucket:06d}"
-        done = finished(cfg.output, name)
+        done = finished(cfg.output, name) if refs else []
         if done is None:  # else a continued job: the bucket's part files are complete
             out = list(self._create(split, bucket, refs, drops))
             _finish(cfg.output, name, [[kind, _plain(value)] for kind, value in out])
         else:
             out = [(kind, _revived(kind, value)) for kind, value in done]
         yield from out
-        if split == "train":
+        if split == "train" and refs:
             _mark_done(cfg.output, f"bucket-{bucket:06d}")
 
     def _create(
