@@ -75,6 +75,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from bertpipe import fsio
 from bertpipe.cli_args import (
     Flag,
     add_dataclass_arguments,
@@ -128,6 +129,18 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     )
     add_dataclass_arguments(parser, PlanOptions, PLAN_FLAGS)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument(
+        "--fit",
+        action="store_true",
+        help="search micro batch x accumulation x ZeRO stage x activation checkpointing x "
+        "offload for the fastest configuration that fits the GPUs, keeping each phase's "
+        "global batch (docs/training.md)",
+    )
+    parser.add_argument(
+        "--write",
+        metavar="FILE",
+        help="with --fit: write the winner as a pretrain config (its predictions recorded)",
+    )
 
 
 def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
@@ -138,11 +151,41 @@ def _plan(args: argparse.Namespace, passthrough: list[str]) -> int:
     if cfg is None:
         return 0
     _check_hardware(cfg, args.gpu)
-    plan = make_plan(cfg, dataclass_from_args(PlanOptions, args, PLAN_FLAGS), os.environ)
+    options = dataclass_from_args(PlanOptions, args, PLAN_FLAGS)
+    if args.fit or args.write:
+        return _fit(cfg, options, args)
+    plan = make_plan(cfg, options, os.environ)
     if args.json:
         sys.stdout.write(json.dumps(plan.to_dict()) + "\n")
     else:
         sys.stdout.write(render_plan(plan))
+    return 0
+
+
+def _fit(cfg: PretrainConfig, options: PlanOptions, args: argparse.Namespace) -> int:
+    from bertpipe.config import to_yaml
+    from bertpipe.training.plan_fit import fit, fitted_config
+
+    result = fit(cfg, options, os.environ)
+    if args.write:
+        fsio.atomic_write_text(args.write, to_yaml(fitted_config(cfg, result)))
+    if args.json:
+        sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+        return 0
+    lines = [f"fit for {result.world_size} GPU(s), {result.budget_gib:g} GiB budget per GPU"]
+    for rank, config in enumerate([result.winner, *result.runners_up]):
+        lines.append(f"{'winner' if rank == 0 else f'#{rank + 1}':>7}: {config.label()}")
+        for c in config.phases:
+            lines.append(
+                f"         {c.phase}: {c.memory_gib:.1f} GiB, {c.step_s:.3f} s/step "
+                f"({c.phase_s / 3600:.1f} h); largest term {c.largest_term}"
+            )
+    for label, why in result.rejected.items():
+        lines.append(f"rejected: {label}: {why}")
+    lines += [f"assumption: {a}" for a in result.assumptions]
+    if args.write:
+        lines.append(f"written: {args.write} (bertpipe pretrain --config {args.write})")
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0
 
 

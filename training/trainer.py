@@ -427,6 +427,10 @@ class PhaseStage:
         metrics.update(memory_metrics(self.device))
         micro = self.phase.micro_batch_size
         metrics["global_batch_size"] = window.micro_batches * micro * trainer.world  # last step's
+        if metrics.get("samples_per_s"):  # measured, beside plan --fit's prediction if given
+            metrics["step_s"] = self.phase.global_batch_size / metrics["samples_per_s"]
+        for key, value in trainer.cfg.planned.get(self.phase.name, {}).items():
+            metrics[f"planned_{key}"] = value
         metrics["phase_step"] = step
         if not trainer.info.is_main:
             return
