@@ -413,7 +413,7 @@ def _compare(
     wall: float,
 ) -> dict[str, Any]:
     """Measured (the largest rank per category) against plan's estimate of the same run."""
-    from bertpipe.training.plan_memory import estimate_memory
+    from bertpipe.training.plan_memory import element_bytes, estimate_memory
 
     plan = estimate_memory(
         _model_config(cfg),
@@ -427,6 +427,10 @@ def _compare(
         bucket_size=cfg.zero.bucket_size,
         cuda_overhead_bytes=0,
         capacity_bytes=None,
+        # the run is on the CPU: what `bertpipe plan --cpu` plans (16-bit masks; the scores
+        # stored where the attention has dropout)
+        attention_scores_stored=_model_config(cfg).attention_dropout > 0,
+        mask_bytes=element_bytes(cfg.precision),
     )
     keys = (*CATEGORIES, "buffers", "other", "in_step_total", "in_step_gradients", "activations")
     measured = {k: max(r[k] for r in per_rank) for k in keys}

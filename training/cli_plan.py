@@ -100,6 +100,7 @@ PLAN_FLAGS: dict[str, Flag] = {
     "seq_lens": Flag("--seq-len", metavar="N[,N...]", separator=","),
     "cuda_overhead_gib": Flag("--cuda-overhead-gb"),
     "attention_scores_stored": Flag("--attention-scores"),
+    "cpu": Flag("--cpu"),
 }
 """How the fields of :class:`~bertpipe.training.plan_options.PlanOptions` appear as flags of
 ``bertpipe plan`` (every field is one; the rest comes from the class)."""

@@ -205,7 +205,8 @@ def make_plan(
             bucket_size=cfg.zero.bucket_size,
             cuda_overhead_bytes=int(options.cuda_overhead_gib * GIB),
             capacity_bytes=None if capacity_gib is None else int(capacity_gib * GIB),
-            attention_scores_stored=options.attention_scores_stored,
+            attention_scores_stored=options.stores_scores(model_cfg.attention_dropout),
+            mask_bytes=options.mask_bytes(cfg.precision),
         )
         if memory.fits is False:
             warnings.append(
@@ -400,14 +401,16 @@ def _assumptions(cfg: PretrainConfig, options: PlanOptions, timed: bool) -> list
         "stage 1 partitions optimizer states, 2 + gradients, 3 + weights over N GPUs; "
         "offload moves optimizer states to host memory",
         (
-            f"activations per layer s*b*e*(7h+4I) bytes (ModernBERT: no dropout, GeGLU), e={e}"
+            f"activations per layer s*b*e*(10h+4I) bytes (ModernBERT: no dropout, GeGLU), e={e}"
             if getattr(cfg.model, "resolved_family", "bert") == "modernbert"
             else f"activations per layer s*b*(e*(8h+2I)+2h) bytes, e={e} (Korthikanti et al. "
             "2022: 34*s*b*h for I=4h at 16 bit)"
         )
         + (
-            " + a*s^2*b*(2e+1) for stored attention scores"
-            if options.attention_scores_stored
+            f" + a*s^2*b*(2e+m) for stored attention scores, m={options.mask_bytes(cfg.precision)}"
+            " byte(s) per dropout mask element"
+            + (" (--cpu: torch's CPU attention with dropout)" if options.cpu else "")
+            if options.stores_scores(0.1 if cfg.model.resolved_family == "bert" else 0.0)
             else "; no s^2 term: SDPA stores no attention scores"
         )
         + "; with activation checkpointing L*e*s*b*h + one layer; MLM head "

@@ -199,7 +199,8 @@ class _Evaluator:
             bucket_size=cfg.zero.bucket_size,
             cuda_overhead_bytes=int(options.cuda_overhead_gib * GIB),
             capacity_bytes=None,
-            attention_scores_stored=options.attention_scores_stored,
+            attention_scores_stored=options.stores_scores(model.attention_dropout),
+            mask_bytes=options.mask_bytes(cfg.precision),
         )
         accumulation = phase.global_batch_size // (world * micro)
         if self.peak is None:  # no time model: ranked by memory alone

@@ -108,6 +108,7 @@ def activation_bytes(
     precision: str,
     checkpointing: bool,
     attention_scores_stored: bool = False,
+    mask_bytes: int = 1,
 ) -> ActivationBytes:
     """Activations kept for the backward pass of one micro batch.
 
@@ -123,9 +124,19 @@ def activation_bytes(
     dropout masks. The model's SDPA kernels keep no s x s matrix (a log-sum-exp of a·s·b
     floats, left out), so the second line is off by default.
 
-    ModernBERT (no dropout, no NSP): ``layer = s·b·e·(7h + 4I)``: the two pre-norm inputs, the
-    Q/K/V input, Q, K, V, the attention output, and the GeGLU's 2I projection, GELU output and
-    gated product (4I).
+    ModernBERT (no dropout, no NSP): ``layer = s·b·e·(10h + 4I)``: the two pre-norm inputs, the
+    Q/K/V input, Q, K, V, Q and K again after the rotary embedding, the attention output (in
+    both layouts) and the out-projection's input, and the GeGLU's 2I projection, GELU output
+    and gated product (4I). (Counted with ``saved_tensors_hooks`` on one to three layers of
+    ModernBERT-large: 10.3 and 42 MiB per layer at 2 x 128 and 2 x 512 tokens against
+    10h + 4I's 10.1 and 40.5.) Without dropout its attention keeps no s x s matrix on the
+    CPU either.
+
+    ``mask_bytes``: a dropout mask's element, 1 (``F.dropout`` on a GPU keeps bool masks);
+    torch's CPU dropout keeps its masks in the activations' dtype (``e``), and its CPU
+    attention the s x s probabilities, their mask and the dropped probabilities: a plan for
+    DeepSpeed's CPU accelerator (``bertpipe plan --cpu``) stores the scores with
+    ``mask_bytes = e``: ``a·s²·b·3e`` (measured: BENCHMARKS.md, "Memory").
 
     Activation checkpointing keeps only each layer's input, plus one layer's full set while
     it is recomputed in the backward pass: ``L·e·s·b·h + layer``.
@@ -139,15 +150,15 @@ def activation_bytes(
     e = element_bytes(precision)
     s, b = seq_len, micro_batch
     h, inter, a = cfg.hidden_size, cfg.ffn_size, cfg.num_heads
-    layer = s * b * (e * (8 * h + 2 * inter) + 2 * h)
+    layer = s * b * (e * (8 * h + 2 * inter) + 2 * h * mask_bytes)
     if is_modern(cfg):  # no dropout by default; GeGLU keeps Wi's 2I output, GELU's and the product
-        layer = s * b * e * (7 * h + 4 * inter)
+        layer = s * b * e * (10 * h + 4 * inter)
     if attention_scores_stored:
-        layer += a * s * s * b * (2 * e + 1)
+        layer += a * s * s * b * (2 * e + mask_bytes)
     # checkpointing: the layer inputs stay, one layer's activations exist while it is redone
     encoder = cfg.num_layers * (e * s * b * h if checkpointing else layer)
     encoder += layer if checkpointing else 0
-    embeddings = s * b * (e * h + h)
+    embeddings = s * b * (e * h + h * mask_bytes)
     n = b * num_masked
     head = n * (4 * e * h + cfg.padded_vocab_size * (e + 8)) + b * 3 * e * h * (not is_modern(cfg))
     return ActivationBytes(
@@ -206,6 +217,7 @@ def estimate_memory(
     cuda_overhead_bytes: int,
     capacity_bytes: int | None,
     attention_scores_stored: bool = False,
+    mask_bytes: int = 1,
 ) -> MemoryEstimate:
     """Per-GPU memory: model states (:func:`model_state_bytes`), activations
     (:func:`activation_bytes`), communication buckets (:func:`buffer_bytes`) and the CUDA
@@ -224,6 +236,7 @@ def estimate_memory(
         precision,
         cfg.activation_checkpointing,
         attention_scores_stored,
+        mask_bytes,
     )
     buffers = buffer_bytes(num_params, precision, zero_stage, bucket_size)
     total = params + grads + optim + act.total + buffers + cuda_overhead_bytes

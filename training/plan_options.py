@@ -57,6 +57,20 @@ class PlanOptions:
     attention_scores_stored: bool = False
     """Count the s x s attention scores as stored activations (an eager attention); the
     model's SDPA kernels do not store them."""
+    cpu: bool = False
+    """Plan a run on DeepSpeed's CPU accelerator: torch's CPU attention keeps the s x s
+    probabilities (and their dropout), and CPU dropout keeps 16-bit masks (measured:
+    BENCHMARKS.md, "Memory")."""
+
+    def stores_scores(self, attention_dropout: float) -> bool:
+        """Whether the s x s scores are kept: asked for, or the CPU attention with dropout
+        (torch's fused CPU kernel takes no dropout; the math path it falls back to keeps
+        them)."""
+        return self.attention_scores_stored or (self.cpu and attention_dropout > 0)
+
+    def mask_bytes(self, precision: str) -> int:
+        """A dropout mask's element: 1 byte on a GPU, the activations' dtype on the CPU."""
+        return (4 if precision == "fp32" else 2) if self.cpu else 1
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node", "vocab_size"):
