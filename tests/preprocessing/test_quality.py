@@ -118,12 +118,12 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("planted")
     truth = write_planted_corpus(
         root / "corpus",
-        4.0,
+        2.5,
         files=4,
         seed=3,
-        exact=0.06,
-        near=0.06,
-        below=0.06,
+        exact=0.13,
+        near=0.13,
+        below=0.13,
         eval_sentences=EVAL_SENTENCES,
         contaminated=0.02,
     )
@@ -222,6 +222,16 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
         "quality/near_duplicate.jsonl",
     ]
 
+    # a file read in byte ranges names its documents by offset, one read whole by ordinal:
+    # the truth has both names; removals are keyed by the offset name from here on
+    aliases = {
+        p[k]: p[f"{k}_at"]
+        for kind in ("exact", "near", "below")
+        for p in truth[kind]
+        for k in ("source", "copy")
+    }
+    aliases.update({c["id"]: c["id_at"] for c in truth["contaminated"]})
+    removed = {aliases.get(k, k): v for k, v in removed.items()}
     exact, near, below = truth["exact"], truth["near"], truth["below"]
     assert len(exact) > 40 and len(near) > 40 and len(below) > 30
 
@@ -232,16 +242,23 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
     assert handled(near) >= 0.95
     # a copy below the threshold is a document of its own: removing it is a false positive
     assert sum(p["copy_at"] in removed for p in below) <= 0.01 * len(below)
-    # every cluster of planted copies keeps exactly one document
+    # every cluster of planted exact copies keeps exactly one document, and no cluster with
+    # near-duplicates loses all of its (a near pair whose estimate falls just under the
+    # threshold may keep both: the 95% above allows for it)
     clusters: dict[str, set[str]] = {}
-    for p in exact + near:
-        merged = clusters.get(p["source_at"], {p["source_at"]}) | clusters.get(
-            p["copy_at"], {p["copy_at"]}
-        )
-        for doc in merged:
-            clusters[doc] = merged
+    for kind in ("exact", "near"):
+        for p in truth[kind]:
+            merged = clusters.get(p["source_at"], {p["source_at"]}) | clusters.get(
+                p["copy_at"], {p["copy_at"]}
+            )
+            for doc in merged:
+                clusters[doc] = merged
+    exact_only = {id(c) for c in clusters.values()}
+    for p in near:
+        exact_only.discard(id(clusters[p["source_at"]]))
     for members in {id(c): c for c in clusters.values()}.values():
-        assert sum(doc not in removed for doc in members) == 1, members
+        kept = sum(doc not in removed for doc in members)
+        assert kept == 1 if id(members) in exact_only else kept >= 1, members
     contaminated = {c["id_at"] for c in truth["contaminated"]}
     assert all(removed.get(i) == "contaminated" for i in contaminated)
     # nothing else went: every removal is a planted copy or a contaminated document
@@ -285,7 +302,9 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
     assert report["contaminated_by"] == {"made-up/dev": len(contaminated)}
     sampled = (tmp_path / "a" / "quality-report" / "contaminated.jsonl").read_text()
     assert len(sampled.splitlines()) == 5  # the lowest-ranked five
-    assert {json.loads(line)["id"] for line in sampled.splitlines()} <= contaminated
+    assert {aliases.get(r, r) for r in (json.loads(x)["id"] for x in sampled.splitlines())} <= (
+        contaminated
+    )
     assert _digests(tmp_path / "a") == {
         **reference,
         **{k: v for k, v in _digests(tmp_path / "a").items() if k.startswith("quality-report/")},
