@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 from pathlib import Path
 
@@ -99,3 +100,13 @@ def google_reference(
                 current_length = 0
             i += 1
     return out
+
+
+def output_digests(out: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file a preprocessing run wrote (its resolved config
+    excepted: it names the output)."""
+    return {
+        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != "preprocess.yaml"
+    }

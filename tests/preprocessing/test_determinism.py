@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +11,7 @@ import pytest
 from bertpipe.config import load_config
 from bertpipe.preprocessing.config import PreprocessConfig
 from bertpipe.preprocessing.run import prepare, run_preprocess
+from tests.preprocessing.helpers import output_digests
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,21 +41,7 @@ def _run(
     assert len(prepare(cfg)[1]) > 6
     manifests = run_preprocess(cfg, beam_args)
     assert all(m["num_buckets"] > 3 for m in manifests.values())
-    return {
-        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(out.rglob("*"))
-        if p.is_file() and p.name != "preprocess.yaml"
-    }
-
-
-@pytest.fixture(scope="module")
-def dask_cluster() -> Iterator[Any]:
-    """One local Dask cluster for the module's objectives (starting one takes seconds)."""
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-    ) as cluster:
-        yield cluster
+    return output_digests(out)
 
 
 # the paper's recipe, and the mlm objective's packing (static masks: its mask draws too)

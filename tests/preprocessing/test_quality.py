@@ -5,9 +5,7 @@ bytes on every runner."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from bertpipe.preprocessing.run import run_preprocess
 from bertpipe.preprocessing.synthetic import eval_sentences, write_planted_corpus
 from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
+from tests.preprocessing.helpers import output_digests
 
 # ----------------------------------------------------------------------------- the pieces
 
@@ -173,23 +172,6 @@ def _run(planted: dict[str, Any], out: Path, beam_args: list[str], *extra: str) 
     return run_preprocess(cfg, beam_args)["seq128"]
 
 
-def _digests(out: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(out.rglob("*"))
-        if p.is_file() and p.name != "preprocess.yaml"
-    }
-
-
-@pytest.fixture(scope="module")
-def dask_cluster() -> Iterator[Any]:
-    distributed = pytest.importorskip("distributed")
-    with distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-    ) as cluster:
-        yield cluster
-
-
 @pytest.mark.integration
 @pytest.mark.slow
 def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
@@ -279,7 +261,7 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
         assert run.data.metrics[f"corpus.{key}"] == corpus[key]
 
     # the same bytes on the direct runner's modes and Dask
-    reference = _digests(tmp_path / "a")
+    reference = output_digests(tmp_path / "a")
 
     # --dry-run-quality on the same output: the job's counts, printed; its shards untouched
     done = run_cli(
@@ -305,9 +287,13 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
     assert {aliases.get(r, r) for r in (json.loads(x)["id"] for x in sampled.splitlines())} <= (
         contaminated
     )
-    assert _digests(tmp_path / "a") == {
+    assert output_digests(tmp_path / "a") == {
         **reference,
-        **{k: v for k, v in _digests(tmp_path / "a").items() if k.startswith("quality-report/")},
+        **{
+            k: v
+            for k, v in output_digests(tmp_path / "a").items()
+            if k.startswith("quality-report/")
+        },
     }
     assert not (tmp_path / "a" / "_quality-report").exists()
     assert any(k.startswith("quality/") for k in reference)
@@ -319,7 +305,7 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
         *extra,
         "tracking.enabled=false",
     )
-    assert _digests(multi) == reference
+    assert output_digests(multi) == reference
     try:
         _run(
             planted,
@@ -331,4 +317,4 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
     finally:  # Beam's DaskRunner opens a client and leaves it open
         with contextlib.suppress(ValueError):
             distributed.default_client().close()
-    assert _digests(tmp_path / "c") == reference
+    assert output_digests(tmp_path / "c") == reference

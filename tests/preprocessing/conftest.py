@@ -1,0 +1,18 @@
+"""Fixtures of the preprocessing tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def dask_cluster() -> Iterator[Any]:
+    """One local Dask cluster per test module (starting one takes seconds)."""
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    ) as cluster:
+        yield cluster
