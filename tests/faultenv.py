@@ -27,6 +27,11 @@ bertpipe itself reads none of these variables:
 ``BERTPIPE_FAULT_PREPROCESS_TERM``
     ``1``: a ``bertpipe preprocess`` job's driver gets SIGTERM once a process of the job
     has written that many shards (a preemption in the shard stage).
+``BERTPIPE_FAULT_PREPROCESS_STALL``
+    ``ReadTokenize:FILE`` or ``WriteShards:FILE``: the first element this process gets in
+    that step of a ``bertpipe preprocess`` job writes FILE (its pid) and then waits, at most
+    ``BERTPIPE_FAULT_STALL_S`` seconds (default 300), before it does the work: the test
+    knows a worker holds a task of that stage, and loses the worker's host there.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ FAULT_RANK = "BERTPIPE_FAULT_RANK"
 FAULT_SIGNAL = "BERTPIPE_FAULT_SIGNAL"
 FAULT_IN_SAVE = "BERTPIPE_FAULT_IN_SAVE"
 FAULT_PREPROCESS_TERM = "BERTPIPE_FAULT_PREPROCESS_TERM"
+FAULT_PREPROCESS_STALL = "BERTPIPE_FAULT_PREPROCESS_STALL"
 PREFIX = "BERTPIPE_FAULT_"
 
 _INJECT = Path(__file__).resolve().parent / "faultinject"
@@ -90,6 +96,31 @@ def install_from_environ() -> None:
     after = os.environ.get(FAULT_PREPROCESS_TERM)
     if after:
         _term_after_shards(int(after))
+    stall = os.environ.get(FAULT_PREPROCESS_STALL)
+    if stall:
+        step, _, marker = stall.partition(":")
+        _stall_in(step, marker, float(os.environ.get("BERTPIPE_FAULT_STALL_S", "300")))
+
+
+def _stall_in(step: str, marker: str, limit_s: float) -> None:
+    """``BERTPIPE_FAULT_PREPROCESS_STALL=STEP:FILE``: the first element of that step in this
+    process writes FILE and waits (bounded) before the real work."""
+    import time
+
+    from bertpipe.preprocessing import pipeline
+
+    cls = {"ReadTokenize": pipeline.ReadTokenizeFn, "WriteShards": pipeline.WriteShardFn}[step]
+    real = cls.process
+    stalled = [False]
+
+    def process(self, element):  # type: ignore[no-untyped-def]
+        if not stalled[0]:
+            stalled[0] = True
+            Path(marker).write_text(str(os.getpid()))
+            time.sleep(limit_s)
+        yield from real(self, element)
+
+    cls.process = process  # type: ignore[method-assign]
 
 
 def _term_after_shards(count: int) -> None:

@@ -160,6 +160,50 @@ def test_run_list_order_and_commands_are_accepted(tmp_path: Path) -> None:
     assert cfg.phases[0].data.endswith("runs/demo/shards/seq128")
 
 
+def test_plan_fit_runs_and_its_planned_runs_are_accepted(tmp_path: Path) -> None:
+    """plan --fit for the H200 and the LAMB recipe, run for real from the dry run's command
+    line; each planned run's overrides, with the chosen micro batch, load on the written
+    config into one micro batch per step at the plan's ZeRO stage and budget."""
+    from bertpipe.config import load_config
+    from bertpipe.training.config import PretrainConfig
+    from tests.cli_runner import run_cli
+
+    runs = _dry_run(tmp_path)
+    names = list(runs)
+    order = ["pretrain-demo", "plan-fit", "planned-p1", "planned-p2", "p1-modern"]
+    assert [names.index(n) for n in order] == sorted(names.index(n) for n in order)
+    args = runs["plan-fit"]
+    options = args[args.index("plan") + 1 :]
+    assert options[options.index("--config") + 1] == "configs/pretrain-bert-large-lamb.yaml"
+    assert options[options.index("--gpu") + 1] == "h200"
+    assert "--fit" in options and "--json" in options and "precision=bf16" in options
+    written = tmp_path / "planned.yaml"
+    options[options.index("--write") + 1] = str(written)
+    done = run_cli(["plan", *options])
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    winner = result["winner"]
+    for i, name in enumerate(("planned-p1", "planned-p2")):
+        args = runs[name]
+        cut = args.index("pretrain")
+        assert args[cut + 1] == "--config" and args[cut + 2].endswith("/planned.yaml")
+        micros = [p["micro_batch_size"] for p in winner["phases"]]
+        overrides = args[cut + 3 :]
+        for j, micro in enumerate(micros):  # the dry run prints MICRO for what plan-fit chose
+            key = f"phases[{j}].global_batch_size="
+            overrides = [f"{key}{micro}" if o == f"{key}MICRO" else o for o in overrides]
+        micro = micros[i]
+        cfg = load_config(PretrainConfig, str(written), overrides)
+        phase = cfg.phases[i]
+        assert cfg.only_phase == phase.name and not cfg.tracking.enabled
+        assert phase.micro_batch_size == phase.global_batch_size == micro
+        assert cfg.check_world(1)[phase.name] == 1
+        assert cfg.zero.stage == winner["zero_stage"] and cfg.precision == "bf16"
+        assert cfg.model.activation_checkpointing == winner["activation_checkpointing"]
+        assert cfg.planned[phase.name]["budget_gib"] == result["budget_gib"]
+        assert cfg.planned[phase.name]["memory_gib"] <= result["budget_gib"]
+
+
 def test_smoke_run_list_is_small(tmp_path: Path) -> None:
     runs = _dry_run(tmp_path, GPU_CHECK_SMOKE="1")
     assert "fused_adam_build" not in runs
@@ -261,12 +305,13 @@ def test_training_and_the_benchmark_import_without_mlflow_or_beam() -> None:
 
 # --------------------------------------------------------------------------- slow
 
-# what the end-to-end smoke run runs, in the check's order: one run of each kind (bertpipe's
-# model at phase 1, the pre-training, torch.compile at phase 2). Each is a process of ~8-14 s
-# on CPU; the other runs differ only in their arguments, which
-# test_run_list_order_and_commands_are_accepted parses with bench train's own parser
-# (transformers' model under `bench train --model hf`: tests/training/test_bench_train.py).
-SMOKE_RUNS = ["p1-unpad", "pretrain-demo", "p2-unpad-compiled"]
+# what the end-to-end smoke run runs, in the check's order: one run of each kind (a benchmark,
+# plan --fit, the pre-training of its written config at both phases, each phase's peak memory
+# recorded beside the plan). Each is a process of ~3-14 s on CPU; the other runs differ only
+# in their arguments, which test_run_list_order_and_commands_are_accepted parses with the
+# real parsers (transformers' model under `bench train --model hf`:
+# tests/training/test_bench_train.py; torch.compile: tests/training/test_unpad.py).
+SMOKE_RUNS = ["p1-unpad", "plan-fit", "planned-p1", "planned-p2"]
 
 
 @pytest.mark.integration
@@ -310,10 +355,18 @@ def test_check_runs_end_to_end_in_smoke_mode(
         assert isinstance(r["seq_per_s"], float) and r["seq_per_s"] > 0, r
         assert r["preset"] == "tiny" and r["steps"] == 2
         assert r["model"] == ("hf" if name.endswith("-hf") else "bertpipe")
-    pre = by_name["pretrain-demo"]
-    assert (pre["first_step"], pre["last_step"], pre["max_steps"]) == (2, 4, 4)
-    assert all(isinstance(pre[k], float) for k in ("first_loss", "last_loss"))
-    assert "logged losses" in log and "phase1 step 4/4" in log
+    fit = by_name["plan-fit"]
+    assert fit["world_size"] == 1 and fit["budget_gib"] > 0
+    for i, name in enumerate(("planned-p1", "planned-p2")):
+        pre = by_name[name]
+        assert (pre["first_step"], pre["last_step"], pre["max_steps"]) == (1, 2, 2)
+        assert all(isinstance(pre[k], float) for k in ("first_loss", "last_loss"))
+        assert pre["phase"] == f"phase{i + 1}"
+        assert pre["planned_memory_gib"] == fit["winner"]["phases"][i]["memory_gib"]
+        assert pre["budget_gib"] == fit["budget_gib"] and pre["peak_rss_gib"] > 0
+        assert pre["measured_step_s"] > 0 and pre["planned_step_s"] > 0
+    assert "logged losses" in log and "phase1 step 2/2" in log and "phase2 step 2/2" in log
     summary = (out / "gpu-check-summary.txt").read_text()
+    assert "plan-fit: ZeRO" in summary and "peak RSS" in summary, summary
     assert f"{len(SMOKE_RUNS)} of {len(SMOKE_RUNS)} runs ok, 0 failed, 0 skipped" in summary
     assert json.loads((out / "gpu-check-env.json").read_text())["deepspeed"]

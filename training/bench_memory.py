@@ -175,7 +175,7 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
     from bertpipe.training.bench_train import _peak_memory_gb
     from bertpipe.training.config import PretrainConfig
     from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
-    from bertpipe.training.model import BertForPreTraining
+    from bertpipe.training.families import pretraining_model
     from bertpipe.training.step import BatchPrep, OptimizerStep
 
     torch.set_num_threads(job["threads"])
@@ -184,10 +184,11 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
     info = init_distributed()
     model_cfg = _model_config(cfg)
     torch.manual_seed(cfg.seed)
-    model = BertForPreTraining(model_cfg)
+    model = pretraining_model(model_cfg)  # the config's family (BERT: MLM + NSP heads)
     spec = EngineSpec.for_phase(cfg, cfg.phases[0], info.world_size)
     engine, _ = build_engine(model, spec)
-    prep = BatchPrep(model_cfg, info.device, unpad=cfg.model.unpad)
+    nsp = cfg.model.resolved_family == "bert"
+    prep = BatchPrep(model_cfg, info.device, unpad=cfg.model.unpad, nsp=nsp)
     host = _synthetic_batches(
         model_cfg, job["micro_batch"], job["seq_len"], job["num_masked"], job["seed"] + rank
     )

@@ -472,8 +472,9 @@ class PretrainConfig:
     """Peak dense TFLOP/s of one device at the chosen precision, for MFU; null: looked up
     from the device name (unknown devices get no MFU)."""
     planned: dict[str, dict[str, float]] = field(default_factory=dict)
-    """What ``bertpipe plan --fit --write`` predicted per phase (``step_s``, ``memory_gib``);
-    the run logs it to MLflow (``plan/<phase>/...``) beside what it measures."""
+    """What ``bertpipe plan --fit --write`` predicted per phase (``step_s``, ``memory_gib``,
+    and the ``budget_gib`` it fitted into); the run logs each as ``train/planned_<key>``
+    beside what it measures (``train/step_s``, ``train/memory_*``)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:

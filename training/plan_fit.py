@@ -349,6 +349,11 @@ def fitted_config(cfg: PretrainConfig, result: FitResult) -> PretrainConfig:
         {c.phase: c.micro_batch_size for c in winner.phases},
     )
     planned = {
-        c.phase: {"step_s": round(c.step_s, 4), "memory_gib": c.memory_gib} for c in winner.phases
+        c.phase: {
+            "step_s": round(c.step_s, 4),
+            "memory_gib": c.memory_gib,
+            "budget_gib": result.budget_gib,
+        }
+        for c in winner.phases
     }
     return dataclasses.replace(out, planned=planned)

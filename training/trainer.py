@@ -304,6 +304,8 @@ class Trainer:
         )
         del engine
         summary = {"steps": end.at.step, "global_step": self.progress.global_step, **stage.metrics}
+        if stage.measured:
+            summary["measured"] = stage.measured
         return {**summary, "seq_len": self.data[index].max_seq_length}, end.stopped
 
     def _log_phase_start(self, index: int, dsconf: dict[str, Any], loader: Any) -> None:
@@ -363,6 +365,8 @@ class PhaseStage:
         )
         self.metrics: dict[str, float] = {}
         """The last evaluation's."""
+        self.measured: dict[str, float] = {}
+        """The last logged window's memory and step time, beside plan --fit's predictions."""
         self._host: Any = None
         self._batches: Any = None
 
@@ -432,6 +436,9 @@ class PhaseStage:
         for key, value in trainer.cfg.planned.get(self.phase.name, {}).items():
             metrics[f"planned_{key}"] = value
         metrics["phase_step"] = step
+        self.measured = {
+            k: v for k, v in metrics.items() if k.startswith(("memory_", "planned_", "step_s"))
+        }
         if not trainer.info.is_main:
             return
         global_step = trainer.progress.global_step

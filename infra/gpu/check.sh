@@ -13,7 +13,9 @@
 #   4. the benchmark runs, BERT-Large, bf16, ZeRO 1, AdamW, each its own process under
 #      `timeout`, most important first: phase 1 (128 x 64) unpadded, transformers, padded;
 #      the same for phase 2 (512 x 16); 200 steps of real pre-training on the demo's seq128
-#      shards (bf16, phase 1 only); ModernBERT-large at both shapes, unpadded; last the
+#      shards (bf16, phase 1 only); `bertpipe plan --fit` for this GPU and the LAMB recipe,
+#      its written config run for a few steps at each phase's chosen micro batch, peak memory
+#      against the plan and its budget; ModernBERT-large at both shapes, unpadded; last the
 #      compiled (torch.compile) unpadded runs.
 # Each run appends one JSON object to $OUT_DIR/gpu-check.jsonl (its figures, or
 # {"name": ..., "error": ...}) and its whole output to $OUT_DIR/gpu-check.log; a failed run
@@ -29,6 +31,8 @@
 #                        4, 2 timed steps, 4 pre-training steps; the wheels are installed
 #                        only if deepspeed or webdataset does not import already
 #   GPU_CHECK_BUDGET_S   seconds for the whole check (default 465 on the GPU, 1800 smoke)
+#   GPU_CHECK_FIT_GPU    the GPU type `plan --fit` ranks with (default h200); its memory is
+#                        the device's own, as torch reports it
 #   GPU_CHECK_ONLY       an extended regex: run only the steps whose name matches it
 #   GPU_CHECK_DRY_RUN=1  set nothing up and run nothing: print each run's command line
 #                        ("+ NAME: COMMAND", shell-quoted) and record it as skipped
@@ -77,7 +81,9 @@ if [[ $SMOKE == 1 ]]; then
     DEVICE=cpu PRESET=tiny MODERN_PRESET=tiny PRECISION=fp32
     EAGER=(--steps 2 --warmup 1) COMPILED=(--steps 2 --warmup 1)
     MICRO1=8 MICRO2=4  # the plumbing is under test, not the shapes: small batches on a CPU
-    PRETRAIN_STEPS=4 LOG_EVERY=2
+    PRETRAIN_STEPS=4 LOG_EVERY=2 PLANNED_STEPS=2
+    # the demo recipe on a pretend 3 GiB device: the plumbing, not the figures
+    FIT=(--config configs/pretrain-demo.yaml --cpu --gpu-memory-gb 3) FIT_SET=(device_peak_tflops=1)
     BUDGET_S=${GPU_CHECK_BUDGET_S:-1800}
     T_EAGER=300 T_COMPILED=600 T_PRETRAIN=300
     export DS_ACCELERATOR=cpu
@@ -86,7 +92,9 @@ else
     DEVICE=cuda PRESET=large MODERN_PRESET=modernbert-large PRECISION=bf16
     EAGER=(--steps 20 --warmup 5) COMPILED=(--steps 20 --warmup 10)
     MICRO1=64 MICRO2=16
-    PRETRAIN_STEPS=200 LOG_EVERY=20
+    PRETRAIN_STEPS=200 LOG_EVERY=20 PLANNED_STEPS=4
+    FIT=(--config configs/pretrain-bert-large-lamb.yaml --gpu "${GPU_CHECK_FIT_GPU:-h200}")
+    FIT_SET=()
     BUDGET_S=${GPU_CHECK_BUDGET_S:-465}
     T_BUILD=180 T_EAGER=90 T_COMPILED=240 T_PRETRAIN=150
     export DS_ACCELERATOR=cuda
@@ -266,6 +274,46 @@ run_step pretrain-demo "$T_PRETRAIN" pretrain "${BP[@]}" pretrain \
     checkpoint.every_steps=0 \
     checkpoint.resume=none \
     tracking.enabled=false
+
+# plan --fit (issue 29): the fastest configuration of the recipe that fits this GPU, written
+# as a config; then each phase of that config for a few steps at the chosen micro batch (the
+# global batch cut to one micro batch: memory depends on the micro batch, not on the
+# accumulation), its peak memory set against the plan's prediction and the budget it fitted
+# into (gpu_check.py planned_record: over the budget is a failure)
+GPU_GIB=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("gpu_memory_gib") or "")' \
+    "$ENV_JSON" 2>/dev/null)
+[[ $SMOKE != 1 && -n $GPU_GIB ]] && FIT+=(--gpu-memory-gb "$GPU_GIB")
+run_step plan-fit 60 "" "${BP[@]}" plan "${FIT[@]}" --nodes 1 --gpus-per-node 1 \
+    --fit --write "$WORK/planned.yaml" --json "precision=$PRECISION" "${FIT_SET[@]}"
+# both phases cut the same way in both runs (phase 2 starts from phase 1's final checkpoint
+# in the same output folder, as a real run's phase 2 does)
+PLANNED_SET=()
+planned_run() {  # planned_run NAME PHASE_INDEX
+    local name=$1 i=$2 micro=MICRO j
+    [[ -n $ONLY && ! $name =~ $ONLY ]] && return 0
+    if ((${#PLANNED_SET[@]} == 0)); then
+        for j in 0 1; do
+            if [[ $DRY != 1 ]] && ! micro=$("$PY" "$HELPER" planned-micro "$JSONL" plan-fit "$j" \
+                2>>"$LOG"); then
+                "$PY" "$HELPER" skip "$JSONL" "$name" "plan-fit wrote no config" | tee -a "$LOG"
+                return 0
+            fi
+            PLANNED_SET+=("phases[$j].global_batch_size=$micro" "phases[$j].max_steps=$PLANNED_STEPS")
+        done
+    fi
+    run_step "$name" "$T_PRETRAIN" pretrain "${BP[@]}" pretrain --config "$WORK/planned.yaml" \
+        "output=$WORK/planned" \
+        "phases[0].data=$SHARDS/seq128" \
+        "phases[1].data=$SHARDS/seq512" \
+        "only_phase=phase$((i + 1))" \
+        "${PLANNED_SET[@]}" \
+        log_every_steps=1 \
+        eval.every_steps=0 \
+        checkpoint.every_steps=0 \
+        tracking.enabled=false
+}
+planned_run planned-p1 0
+planned_run planned-p2 1
 
 # the modern family (issue 27): ModernBERT-large, the same shapes, unpadded (its local layers
 # use FlashAttention's window when flash_attn is installed, else a band mask per sequence)

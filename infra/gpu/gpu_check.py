@@ -6,11 +6,15 @@ Standard library only, so that it runs on any Python the check runs on::
     python3 infra/gpu/gpu_check.py record JSONL NAME --rc RC --wall S --timeout S \
         --stdout FILE --stderr FILE [--pretrain]
     python3 infra/gpu/gpu_check.py skip JSONL NAME REASON
+    python3 infra/gpu/gpu_check.py planned-micro JSONL PLAN_RUN PHASE_INDEX
     python3 infra/gpu/gpu_check.py summary JSONL [--env OUT.json] [--elapsed S --budget S]
 
 ``record`` reads a run's captured output: a benchmark's last stdout line is its JSON object;
-a pre-training run's losses are read from its log lines. It appends one object to the JSONL
-(``{"name": ..., "error": ...}`` for a run that failed) and exits 1 for a failed run.
+a pre-training run's losses are read from its log lines, and where the run's config came from
+``bertpipe plan --fit --write`` its measured peak memory is set beside the plan's prediction
+and the budget the plan fitted into (over the budget on a GPU: the run failed). It appends
+one object to the JSONL (``{"name": ..., "error": ...}`` for a run that failed) and exits 1
+for a failed run.
 """
 
 from __future__ import annotations
@@ -122,7 +126,53 @@ def pretrain_record(stdout: str, stderr: str) -> dict[str, Any]:
     summary = last_json(stdout)
     if summary is not None:
         out["summary"] = summary
+        out.update(planned_record(summary))
     return out
+
+
+def planned_record(summary: dict[str, Any]) -> dict[str, Any]:
+    """A ``plan --fit`` config's run: its peak memory against the plan's prediction and
+    budget (from the pre-training summary's ``measured`` section of the last phase run).
+    On a GPU the peak is ``torch.cuda.max_memory_allocated`` (the plan's memory counts
+    tensors; the allocator's reserve is reported beside it); on a CPU, the process's peak
+    RSS, which holds the libraries and is only context."""
+    phases = [v for v in summary.values() if isinstance(v, dict) and "measured" in v]
+    if not phases:
+        return {}
+    measured = phases[-1]["measured"]
+    if "planned_memory_gib" not in measured:
+        return {}
+    out: dict[str, Any] = {
+        "planned_memory_gib": measured["planned_memory_gib"],
+        "budget_gib": measured.get("planned_budget_gib"),
+        "planned_step_s": measured.get("planned_step_s"),
+        "measured_step_s": measured.get("step_s"),
+    }
+    if "memory_allocated_gb" in measured:
+        peak = measured["memory_allocated_gb"]
+        out["peak_memory_gib"] = peak
+        out["reserved_memory_gib"] = measured.get("memory_reserved_gb")
+        out["peak_over_planned"] = peak / measured["planned_memory_gib"]
+        budget = out["budget_gib"]
+        if budget is not None and peak > budget:
+            out["error"] = (
+                f"peak memory {peak:.1f} GiB is over the {budget:.1f} GiB budget "
+                f"plan --fit chose this config for (planned {measured['planned_memory_gib']:.1f})"
+            )
+    elif "memory_rss_gb" in measured:
+        out["peak_rss_gib"] = measured["memory_rss_gb"]
+    return out
+
+
+def cmd_planned_micro(args: argparse.Namespace) -> int:
+    """Print the micro batch ``plan --fit`` chose for phase ``index`` (its recorded run)."""
+    for line in _read(args.jsonl).splitlines():
+        record = json.loads(line) if line.strip() else {}
+        if record.get("name") == args.plan_run and "winner" in record:
+            print(record["winner"]["phases"][args.index]["micro_batch_size"])
+            return 0
+    print(f"no successful {args.plan_run} record in {args.jsonl}", file=sys.stderr)
+    return 1
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -216,6 +266,17 @@ def summary_text(
                 f"last window {r['last_window_seq_per_s']:.1f} seq/s, {r['wall_s']:.0f} s"
                 + (f"  FAILED: {r['error']}" if "error" in r else "")
             )
+            if "planned_memory_gib" in r:
+                out.append("    " + _planned_line(r))
+        elif "winner" in r and "error" not in r:
+            w = r["winner"]
+            micro = ", ".join(f"{p['phase']} {p['micro_batch_size']}" for p in w["phases"])
+            out.append(
+                f"{r['name']}: ZeRO {w['zero_stage']}, checkpointing "
+                f"{'on' if w['activation_checkpointing'] else 'off'}, offload "
+                f"{'on' if w['offload'] else 'off'}; micro batch {micro}; budget "
+                f"{r['budget_gib']:.1f} GiB"
+            )
         elif "build_s" in r and "error" not in r:
             out.append(f"{r['name']}: {r['build_s']:.1f} s")
     failed = [r for r in records if "error" in r and "first_loss" not in r]
@@ -228,6 +289,21 @@ def summary_text(
         tail += f"; {elapsed:.0f} s" + (f" of a {budget:.0f} s budget" if budget else "")
     out.append(tail)
     return "\n".join(out)
+
+
+def _planned_line(r: dict[str, Any]) -> str:
+    budget = _fmt(r.get("budget_gib"))
+    planned = f"planned {r['planned_memory_gib']:.2f} GiB of a {budget} GiB budget"
+    if "peak_memory_gib" in r:
+        text = (
+            f"peak allocated {r['peak_memory_gib']:.2f} GiB ({r['peak_over_planned']:.2f}x "
+            f"the plan; reserved {_fmt(r.get('reserved_memory_gib'))}), {planned}"
+        )
+    else:
+        text = f"peak RSS {_fmt(r.get('peak_rss_gib'))} GiB (CPU: context only), {planned}"
+    if r.get("measured_step_s") is not None and r.get("planned_step_s"):
+        text += f"; step {r['measured_step_s']:.3f} s against {r['planned_step_s']:.3f} planned"
+    return text
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
@@ -267,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p.add_argument("reason")
     p.set_defaults(func=cmd_skip)
+    p = sub.add_parser("planned-micro", help="the micro batch plan --fit chose for a phase")
+    p.add_argument("jsonl")
+    p.add_argument("plan_run")
+    p.add_argument("index", type=int)
+    p.set_defaults(func=cmd_planned_micro)
     p = sub.add_parser("summary", help="print the summary table")
     p.add_argument("jsonl")
     p.add_argument("--env")

@@ -3,6 +3,7 @@ exactly, written as a config that pretrain accepts; one line when nothing fits."
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -121,3 +122,49 @@ def test_nothing_fits_is_one_line_with_the_term_and_what_would() -> None:
 def test_the_planned_section_is_validated() -> None:
     with pytest.raises(ConfigError):
         load_config(PretrainConfig, None, ["planned={phase1: {step_s: fast}}"])
+
+
+@pytest.mark.integration
+def test_a_written_config_pretrains_at_its_micro_batches_on_cpu(
+    pretrain_shards: Path, tmp_path: Path
+) -> None:
+    """The 8x40 GB config as written, run for one step of each phase in one CPU process: the
+    tiny model in place of BERT-Large (and fp32, the test shards), everything plan --fit
+    chose unchanged (micro batch per phase, ZeRO stage, checkpointing, LAMB), the global
+    batch cut to one micro batch of this one rank. The summary carries the plan's
+    predictions beside what the run measured."""
+    path = tmp_path / "fit.yaml"
+    done = run_cli(
+        ["plan", "--config", LAMB, "--gpus-per-node", "8", "--gpu", "a100-40g", "--fit",
+         "--write", str(path)]
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    written = load_config(PretrainConfig, str(path), [])
+    micro = [p.micro_batch_size for p in written.phases]
+    overrides = [
+        f"output={tmp_path / 'run'}",
+        "model.preset=tiny",
+        f"phases[0].data={pretrain_shards}/seq64",
+        f"phases[1].data={pretrain_shards}/seq128",
+        "precision=fp32",
+        "data.num_workers=0",
+        "log_every_steps=1",
+        "eval.every_steps=0",
+        "eval.max_batches=1",
+        "checkpoint.every_steps=0",
+        "tracking.enabled=false",
+    ]
+    for i, m in enumerate(micro):
+        overrides += [f"phases[{i}].global_batch_size={m}", f"phases[{i}].max_steps=1"]
+    cfg = load_config(PretrainConfig, str(path), overrides)
+    assert cfg.zero.stage == written.zero.stage and cfg.optimizer.name == "lamb"
+    assert cfg.model.activation_checkpointing == written.model.activation_checkpointing
+    done = run_cli(["pretrain", "--config", str(path), *overrides])
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.splitlines()[-1])
+    for name in ("phase1", "phase2"):
+        assert summary[name]["steps"] == 1
+        measured = summary[name]["measured"]
+        assert measured["planned_memory_gib"] == written.planned[name]["memory_gib"]
+        assert measured["planned_budget_gib"] == written.planned[name]["budget_gib"]
+        assert measured["step_s"] > 0 and measured["memory_rss_gb"] > 0
