@@ -15,6 +15,7 @@ from bertpipe.training.engine import ds_config
 from bertpipe.training.plan_fit import NothingFitsError, fit, fitted_config
 from bertpipe.training.plan_options import PlanOptions
 from tests.cli_runner import run_cli
+from tests.conftest import sqlite_uri
 
 LAMB = "configs/pretrain-bert-large-lamb.yaml"
 CLUSTERS = {  # (nodes, GPUs per node, GPU)
@@ -152,7 +153,7 @@ def test_a_written_config_pretrains_at_its_micro_batches_on_cpu(
         "eval.every_steps=0",
         "eval.max_batches=1",
         "checkpoint.every_steps=0",
-        "tracking.enabled=false",
+        f"tracking.uri={sqlite_uri(tmp_path / 'mlflow.db')}",
     ]
     for i, m in enumerate(micro):
         overrides += [f"phases[{i}].global_batch_size={m}", f"phases[{i}].max_steps=1"]
@@ -168,3 +169,19 @@ def test_a_written_config_pretrains_at_its_micro_batches_on_cpu(
         assert measured["planned_memory_gib"] == written.planned[name]["memory_gib"]
         assert measured["planned_budget_gib"] == written.planned[name]["budget_gib"]
         assert measured["step_s"] > 0 and measured["memory_rss_gb"] > 0
+    # in MLflow: the prediction beside the measurement, at the step of each phase's log
+    import mlflow
+
+    from bertpipe.training import checkpoint as ckpt
+
+    state, _ = ckpt.read_state(cfg.checkpoint_dir, ckpt.latest_tag(cfg.checkpoint_dir), 0)
+    client = mlflow.MlflowClient(tracking_uri=cfg.tracking.uri)
+    history = {
+        key: [m.value for m in client.get_metric_history(state.mlflow_run_id, f"train/{key}")]
+        for key in ("planned_memory_gib", "planned_step_s", "step_s", "memory_rss_gb")
+    }
+    assert history["planned_memory_gib"] == [
+        written.planned[n]["memory_gib"] for n in written.planned
+    ]
+    assert history["planned_step_s"] == [written.planned[n]["step_s"] for n in written.planned]
+    assert len(history["step_s"]) == len(history["memory_rss_gb"]) == 2
