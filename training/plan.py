@@ -393,11 +393,12 @@ def _slowest_link(world: World, options: PlanOptions) -> tuple[str, float | None
 
 def _assumptions(cfg: PretrainConfig, options: PlanOptions, timed: bool) -> list[str]:
     e = element_bytes(cfg.precision)
-    per = bytes_per_parameter(cfg.precision)
+    per = bytes_per_parameter(cfg.precision, cfg.zero.stage)
+    master = e == 2 or cfg.zero.stage >= 1
     out = [
         f"parameters: analytic count (tied decoder once, vocabulary padded); model states "
         f"{per.parameters} (weights) + {per.gradients} (gradients) + {per.optimizer} "
-        f"(optimizer: {'fp32 master + ' if e == 2 else ''}2 moments) bytes/parameter, ZeRO "
+        f"(optimizer: {'fp32 master + ' if master else ''}2 moments) bytes/parameter, ZeRO "
         "stage 1 partitions optimizer states, 2 + gradients, 3 + weights over N GPUs; "
         "offload moves optimizer states to host memory",
         (

@@ -46,16 +46,20 @@ class StateBytes:
     optimizer: int
 
 
-def bytes_per_parameter(precision: str) -> StateBytes:
+def bytes_per_parameter(precision: str, zero_stage: int = 0) -> StateBytes:
     """Model-state bytes per parameter (Rajbhandari et al. 2020, "ZeRO", section 3.1).
 
     Mixed precision (bf16/fp16): 2 (16-bit weights) + 2 (16-bit gradients) + 12 (fp32
     master weights, Adam or LAMB first and second moments, 4 each) = 16 bytes.
-    fp32: 4 (weights, which are their own master copy) + 4 (gradients) + 8 (moments) = 16.
+    fp32 at ZeRO 0: 4 (weights, which are their own master copy) + 4 (gradients) + 8
+    (moments) = 16. fp32 at ZeRO 1-3: DeepSpeed's ZeRO optimizer steps on an fp32 copy of
+    its partition even when the weights are fp32 (``single_partition_of_fp32_groups``,
+    stage 3's ``fp32_partitioned_groups_flat``), so the optimizer holds 12 bytes, as in
+    mixed precision (measured: BENCHMARKS.md, "Memory", the chosen configs).
     Gradients are accumulated in the model dtype (DeepSpeed's default ``grad_accum_dtype``).
     """
     if precision == "fp32":
-        return StateBytes(parameters=4, gradients=4, optimizer=8)
+        return StateBytes(parameters=4, gradients=4, optimizer=12 if zero_stage >= 1 else 8)
     if precision in ("bf16", "fp16"):
         return StateBytes(parameters=2, gradients=2, optimizer=12)
     raise ConfigError("precision", f"must be fp32, fp16 or bf16, got {precision!r}")
@@ -76,7 +80,7 @@ def model_state_bytes(
     stage 0 nothing, 1 the optimizer states, 2 + gradients, 3 + parameters. Optimizer
     offload moves the optimizer states (fp32 master weights included) to host memory.
     """
-    per = bytes_per_parameter(precision)
+    per = bytes_per_parameter(precision, zero_stage)
     shard = math.ceil(num_params / world_size)
     params = per.parameters * (shard if zero_stage >= 3 else num_params)
     grads = per.gradients * (shard if zero_stage >= 2 else num_params)
