@@ -1,6 +1,8 @@
 """Preprocessing from and to object storage (issue 16): a corpus in an S3 bucket, the tokenizer
-trained from it into the bucket, and the Beam job writing its shards there on a Dask cluster
-(on the direct runner's worker processes: ``tests/storage/test_s3_flow.py``). The server is
+trained from it into the bucket, and the Beam job writing its shards there (on the direct
+runner's worker processes: ``tests/storage/test_s3_flow.py``; on a Dask cluster across test
+hosts, S3 to S3 with deduplication, compared byte for byte with the direct runner:
+``tests/multihost/test_dask_hosts.py``). The server is
 real HTTP S3 with authentication (:mod:`tests.s3`), reached as MinIO or Ceph users reach
 theirs: through ``AWS_ENDPOINT_URL`` and keys in the environment, which every worker process
 must inherit.
@@ -11,10 +13,8 @@ and no scratch (``_spill``, ``_parts``, ``_progress``) may be left in the bucket
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +28,6 @@ from bertpipe.preprocessing.run import run_preprocess, train_tokenizer
 from tests.conftest import synthetic_documents, write_sentence_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-SCRATCH = ("_spill", "_parts", "_progress", "_quality", "_resume")
 
 
 @dataclass
@@ -120,48 +118,6 @@ def s3_env(job: Job, monkeypatch: pytest.MonkeyPatch) -> Job:
     for name, value in job.env.items():
         monkeypatch.setenv(name, value)
     return job
-
-
-def _assert_same_as_local(job: Job, output: str) -> None:
-    remote = _files(output)
-    assert not [p for p in remote if any(part in SCRATCH for part in p.split("/"))], remote
-    assert sorted(remote) == sorted(job.local)
-    shards = [p for p in job.local if p.endswith(".tar")]
-    assert len(shards) >= 4
-    for path in shards:
-        assert remote[path] == job.local[path], path
-    got, want = (
-        json.loads(remote["seq64/manifest.json"]),
-        json.loads(job.local["seq64/manifest.json"]),
-    )
-    assert got["splits"] == want["splits"]  # every shard's sha256, size and counts
-    assert got["stats"] == want["stats"]
-    corpus = want["stats"]["corpus"]
-    assert corpus["removed_exact_duplicate"] > 0 and corpus["removed_near_duplicate"] > 0
-    # only where the inputs lie differs
-    assert {k: v for k, v in got["config"].items() if k not in ("input", "tokenizer")} == {
-        k: v for k, v in want["config"].items() if k not in ("input", "tokenizer")
-    }
-
-
-def test_dask_two_workers_s3_to_s3(s3_env: Job) -> None:
-    distributed = pytest.importorskip("distributed")
-    output = f"{s3_env.bucket}/dask"
-    with distributed.LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
-    ) as cluster:
-        with distributed.Client(cluster) as client:
-            endpoints = client.run(lambda: os.environ.get("AWS_ENDPOINT_URL"))
-        try:
-            run_preprocess(
-                _cfg(s3_env.corpus, s3_env.tokenizer, output),
-                ["--runner=DaskRunner", f"--dask_client_address={cluster.scheduler_address}"],
-            )
-        finally:  # Beam's DaskRunner opens a client and leaves it open
-            with contextlib.suppress(ValueError):
-                distributed.default_client().close()
-    assert list(endpoints.values()) == [os.environ["AWS_ENDPOINT_URL"]] * 2
-    _assert_same_as_local(s3_env, output)
 
 
 def test_local_reference_is_what_the_manifest_lists(job: Job) -> None:
