@@ -33,7 +33,9 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, Literal
+from typing import IO, Any, Literal
+
+import fsspec.spec
 
 from bertpipe import fsio
 from bertpipe.config import ConfigError
@@ -221,8 +223,7 @@ def _documents(
     if first:
         counts["files_read"] += 1
     with fsio.open_url(url, "rb", compression=compression) as f:
-        # zstandard's reader has no readline; a buffer over it gives fast line iteration
-        stream = io.BufferedReader(f, 1 << 20) if compression == "zstd" else f
+        stream = _line_reader(f, compression)
         if cfg.format == "text":
             if keep is None or keep(f"{name}:0"):
                 yield from _text_doc(_lines(stream, 0), name, cfg, counts)
@@ -246,6 +247,19 @@ def _sniff(head: bytes) -> str | None:
         if exc.start < len(head) - 4:  # not just a character cut at the sniff boundary
             return "not_utf8"
     return None
+
+
+def _line_reader(f: Any, compression: str | None) -> IO[bytes]:
+    """``f`` as a stream whose lines are cheap. zstandard's reader has no ``readline``, and
+    fsspec's remote files (s3fs, gcsfs: ``AbstractBufferedFile``) implement it as
+    ``readuntil``, which reads a whole block (``block_size``, megabytes) through the cache and
+    copies it for every line, then seeks back: a 100 MB job reading from S3 spent most of
+    its time there (BENCHMARKS.md, "Preprocessing on Dask across hosts"). A 1 MB
+    ``io.BufferedReader`` over them reads the file in 1 MB calls and splits lines in C; it
+    seeks as the file does, which ranges need."""
+    if compression == "zstd" or isinstance(f, fsspec.spec.AbstractBufferedFile):
+        return io.BufferedReader(f, 1 << 20)
+    return f  # type: ignore[no-any-return]
 
 
 def _lines(stream: IO[bytes], offset: int) -> Iterator[tuple[int, str]]:
