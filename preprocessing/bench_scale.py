@@ -9,7 +9,12 @@ of 128 tokens, ``dupe_factor`` 5, no MLflow) as a child process:
 - ``--runner direct --workers K``: ``--direct_running_mode=multi_processing``, K workers;
 - ``--runner dask --workers K``: a local Dask cluster started with the ``dask scheduler``
   and ``dask worker --nworkers K --nthreads 1`` commands, the job sent to it with
-  ``--runner=DaskRunner --dask_scheduler_file=...``.
+  ``--runner=DaskRunner --dask_scheduler_file=...``;
+- ``--runner dask --dask-address tcp://HOST:8786 --workers K``: a running cluster of K
+  workers, which may sit on other machines; with ``--storage URL`` (``s3://bucket/prefix``)
+  the corpus and the tokenizer are copied there once and the shards are written there, so
+  that workers which share no disk with this machine can run the job
+  (``infra/scripts/bench-dask-hosts`` starts such a cluster on test hosts and runs this).
 
 The run (and the Dask workers) is pinned to ``--workers`` CPUs, one core per worker, so
 that MB/s per worker is per core. The peak memory is the largest sum, over all processes
@@ -45,6 +50,16 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--scale-mb", type=float, help="corpus size in MB: runs the scale bench")
     group.add_argument("--workers", type=int, default=1, help="Beam workers (default 1)")
     group.add_argument("--runner", choices=("direct", "dask"), default="direct")
+    group.add_argument(
+        "--dask-address",
+        help="with --runner dask: a running scheduler (tcp://HOST:PORT) instead of a local "
+        "cluster; --workers is then how many workers it has (for MB/s per worker)",
+    )
+    group.add_argument(
+        "--storage",
+        help="an fsspec URL (s3://bucket/prefix) that holds the corpus, the tokenizer and the "
+        "shards, for workers that share no disk with this machine",
+    )
     group.add_argument("--files", type=int, default=16, help="corpus files (1: one big file)")
     group.add_argument("--corpus", help="repeat these files (sentences layout) instead")
     group.add_argument("--seed", type=int, default=0, help="synthetic corpus seed")
@@ -248,18 +263,53 @@ class _TreeMemory:
             self.peak_sum = max(self.peak_sum, total)
 
 
+def _to_storage(folder: Path, storage: str) -> str:
+    """``folder`` copied to ``storage/<its name>`` once (a ``.complete`` marker after it)."""
+    from bertpipe import fsio
+
+    url = fsio.join(storage, folder.name)
+    fs, root = fsio.to_fs(url)
+    if not fs.exists(f"{root}/.complete"):
+        started = time.monotonic()
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+        fs.put(f"{folder}/", root, recursive=True)
+        fs.pipe_file(f"{root}/.complete", b"")
+        log.info("%s copied to %s in %.0f s", folder, url, time.monotonic() - started)
+    return url
+
+
+def _manifest(out: str) -> dict[str, Any]:
+    from bertpipe import fsio
+
+    fs, root = fsio.to_fs(fsio.join(out, "seq128", "manifest.json"))
+    return dict(json.loads(fs.cat_file(root)))
+
+
 def run_scale(args: argparse.Namespace) -> dict[str, Any]:
+    if args.dask_address and args.runner != "dask":
+        raise SystemExit("bertpipe: error: --dask-address needs --runner dask")
+    if args.storage and args.preempt:
+        raise SystemExit("bertpipe: error: --preempt reads the shards locally: drop --storage")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         corpus = _corpus(args, work)
         tokenizer = _tokenizer(corpus, work, args.format)
-        out = work / "shards"
         text_mb = _corpus_mb(corpus, args.format)
+        out: Any = work / "shards"
+        corpus_url, tokenizer_url = str(corpus), str(tokenizer)
+        if args.storage:
+            corpus_url = _to_storage(corpus, args.storage)
+            tokenizer_url = _to_storage(tokenizer, args.storage)
+            out = f"{args.storage.rstrip('/')}/shards"
         env = dict(os.environ)
-        cpus = _cpus(args.workers)
+        # a remote cluster's workers are pinned where they run, not here
+        cpus = None if args.dask_address else _cpus(args.workers)
         extra: list[subprocess.Popen[bytes]] = []
-        if args.runner == "direct":
+        if args.dask_address:
+            beam = ["--runner=DaskRunner", f"--dask_client_address={args.dask_address}"]
+        elif args.runner == "direct":
             beam = (
                 ["--direct_num_workers=1"]
                 if args.workers == 1
@@ -318,13 +368,13 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
             beam = ["--runner=DaskRunner", f"--dask_scheduler_file={scheduler_file}"]
         argv = [
             "preprocess",
-            f"input.paths=[{corpus}]",
+            f"input.paths=[{corpus_url}]",
             f"input.format={args.format}",
             "input.id_field=id" if args.format == "parquet" else "input.id_field=null",
             # the synthetic text is lower-case, which a sentence splitter cannot cut: a
             # document's lines are its sentences, as in the sentence-per-line files
             "input.split_sentences=false",
-            f"tokenizer={tokenizer}",
+            f"tokenizer={tokenizer_url}",
             f"output={out}",
             "overwrite=true",
             f"dupe_factor={args.dupe_factor}",
@@ -350,7 +400,7 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
                 p.wait(timeout=30)
         if proc.returncode != 0:
             raise RuntimeError(f"bertpipe preprocess failed:\n{output.decode()[-4000:]}")
-        manifest = json.loads((out / "seq128" / "manifest.json").read_text())
+        manifest = _manifest(str(out))
         splits = manifest["splits"]
         preempted = _preempted(argv, out, work, env, cpus) if args.preempt else {}
         corpus_stats = manifest["stats"]["corpus"]
@@ -371,12 +421,16 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
             "files": args.files,
             "format": args.format,
             "runner": args.runner,
+            "cluster": args.dask_address or None,
+            "storage": args.storage or None,
             "workers": args.workers,
             "wall_s": round(wall, 1),
             "mb_per_s": round(text_mb / wall, 3),
             "mb_per_s_per_worker": round(text_mb / wall / args.workers, 3),
             "peak_rss_mb": round(memory.peak_sum / 2**20, 1),
             "peak_rss_max_process_mb": round(memory.peak_one / 2**20, 1),
+            # a running cluster's processes are not this process's children
+            "peak_rss_of": "the driver" if args.dask_address else "the whole run",
             "instances": splits["train"]["instances"] + splits["heldout"]["instances"],
             "train_shards": splits["train"]["num_shards"],
             "num_buckets": manifest["num_buckets"],
