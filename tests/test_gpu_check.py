@@ -305,13 +305,14 @@ def test_training_and_the_benchmark_import_without_mlflow_or_beam() -> None:
 
 # --------------------------------------------------------------------------- slow
 
-# what the end-to-end smoke run runs, in the check's order: one run of each kind (a benchmark,
-# plan --fit, the pre-training of its written config at both phases, each phase's peak memory
-# recorded beside the plan). Each is a process of ~3-14 s on CPU; the other runs differ only
-# in their arguments, which test_run_list_order_and_commands_are_accepted parses with the
-# real parsers (transformers' model under `bench train --model hf`:
-# tests/training/test_bench_train.py; torch.compile: tests/training/test_unpad.py).
-SMOKE_RUNS = ["p1-unpad", "plan-fit", "planned-p1", "planned-p2"]
+# what the end-to-end smoke run runs, in the check's order: plan --fit, then the pre-training
+# of its written config at both phases, each phase's peak memory recorded beside the plan
+# (processes of ~3-14 s on CPU). The benchmark runs differ only in their arguments, which
+# test_run_list_order_and_commands_are_accepted parses with bench train's own parser; bench
+# train itself runs in tests/training/test_bench_train.py (transformers' model too) and
+# torch.compile in tests/training/test_unpad.py; a benchmark's record and its row in the
+# summary table: test_helper_records_and_summarises.
+SMOKE_RUNS = ["plan-fit", "planned-p1", "planned-p2"]
 
 
 @pytest.mark.integration
@@ -350,11 +351,6 @@ def test_check_runs_end_to_end_in_smoke_mode(
     for r in records:
         assert "error" not in r and "skipped" not in r, r
     by_name = {r["name"]: r for r in records}
-    for name in (n for n in SMOKE_RUNS if n in BENCH_RUNS):
-        r = by_name[name]
-        assert isinstance(r["seq_per_s"], float) and r["seq_per_s"] > 0, r
-        assert r["preset"] == "tiny" and r["steps"] == 2
-        assert r["model"] == ("hf" if name.endswith("-hf") else "bertpipe")
     fit = by_name["plan-fit"]
     assert fit["world_size"] == 1 and fit["budget_gib"] > 0
     for i, name in enumerate(("planned-p1", "planned-p2")):
