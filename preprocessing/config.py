@@ -122,6 +122,11 @@ def _default_phases() -> list[PhaseConfig]:
     return [PhaseConfig("seq128", 128, 20), PhaseConfig("seq512", 512, 80)]
 
 
+OPERATIONAL_KEYS = ("output", "overwrite", "tracking", "stall_timeout_s")
+""":class:`PreprocessConfig` keys that say where and how a job runs, not what data it makes:
+not in a manifest's config, and a job continued with other values is the same job."""
+
+
 @dataclass
 class PreprocessConfig:
     """``bertpipe preprocess``: documents to masked-LM (+ NSP) instances in WebDataset shards."""
@@ -190,6 +195,11 @@ class PreprocessConfig:
     """Instances per WebDataset sample (one block)."""
     tokenize_batch_documents: int = 256
     """Documents per tokenizer ``encode_batch`` call."""
+    stall_timeout_s: float = 300.0
+    """On a Dask cluster: a job whose cluster runs none of its tasks for this long (a worker
+    left waiting for a lost one; no task executing, none finishing) is stopped with exit
+    status 75, its finished work kept for the same command to continue. 0: wait for ever.
+    Not part of the data's config."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def check_runnable(self) -> None:
@@ -225,6 +235,8 @@ class PreprocessConfig:
             raise ConfigError("instances_per_sample", "must be at least 1")
         if self.min_shards < 1:
             raise ConfigError("min_shards", "must be at least 1")
+        if self.stall_timeout_s < 0:
+            raise ConfigError("stall_timeout_s", "must be 0 (no bound) or a number of seconds")
 
     def _check_prediction_budget(self) -> None:
         """``mlm``: every phase must take ``masked_lm_prob`` of a full instance. (``mlm+nsp``

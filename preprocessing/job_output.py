@@ -36,7 +36,7 @@ from typing import Any
 from bertpipe import fsio
 from bertpipe.config import ConfigError, to_dict
 from bertpipe.errors import BertpipeError
-from bertpipe.preprocessing.config import PreprocessConfig
+from bertpipe.preprocessing.config import OPERATIONAL_KEYS, PreprocessConfig
 from bertpipe.preprocessing.dedup import quality_folder, samples_folder
 from bertpipe.preprocessing.pipeline import (
     Plan,
@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 JOB_FILE = "job.json"
-_OPERATIONAL = ("output", "overwrite", "tracking")
 
 
 class OutputExistsError(BertpipeError, FileExistsError):
@@ -70,7 +69,7 @@ class OutputExistsError(BertpipeError, FileExistsError):
 
 def job_identity(plan: Plan, ranges: Sequence[ReadRange]) -> dict[str, Any]:
     """What makes two runs the same job (a continued job must be this one)."""
-    config = {k: v for k, v in to_dict(plan.cfg).items() if k not in _OPERATIONAL}
+    config = {k: v for k, v in to_dict(plan.cfg).items() if k not in OPERATIONAL_KEYS}
     if not plan.cfg.quality.enabled:
         config.pop("quality", None)
     return {

@@ -42,7 +42,7 @@ from apache_beam.metrics import Metrics
 
 from bertpipe import fsio
 from bertpipe.config import to_dict
-from bertpipe.preprocessing.config import PhaseConfig, PreprocessConfig
+from bertpipe.preprocessing.config import OPERATIONAL_KEYS, PhaseConfig, PreprocessConfig
 from bertpipe.preprocessing.dedup import (
     REASONS,
     DropRef,
@@ -934,13 +934,10 @@ def build_manifest(
     }
 
 
-_OPERATIONAL_KEYS = ("output", "overwrite", "tracking")
-
-
 def _data_config(cfg: PreprocessConfig) -> dict[str, Any]:
     """What determines the data; where it was written and how it was logged do not (nor
     quality settings that are all off: manifests from before they existed stay the same)."""
-    out = {k: v for k, v in to_dict(cfg).items() if k not in _OPERATIONAL_KEYS}
+    out = {k: v for k, v in to_dict(cfg).items() if k not in OPERATIONAL_KEYS}
     if not cfg.quality.enabled:
         out.pop("quality", None)
     return out

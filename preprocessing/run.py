@@ -25,6 +25,7 @@ from bertpipe.config import ConfigError
 from bertpipe.errors import BertpipeError
 from bertpipe.fsio import common_root
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
+from bertpipe.preprocessing.dask_watch import wait_until_finish
 from bertpipe.preprocessing.dedup import quality_folder
 from bertpipe.preprocessing.evalsets import eval_files, eval_texts
 from bertpipe.preprocessing.job_output import (
@@ -397,8 +398,7 @@ def _run_pipeline(
     build_pipeline(pipeline, plan, ranges)
     with PreprocessProgress(plan, ranges), _worker_threads(pipeline), workers_stopped():
         try:
-            result = pipeline.run()
-            result.wait_until_finish()
+            wait_until_finish(pipeline.run(), cfg.stall_timeout_s)
         except Exception as exc:  # a worker's error, as the runner carried it back
             gone = _worker_error(exc, InputGoneError)
             if gone is None:

@@ -32,6 +32,11 @@ bertpipe itself reads none of these variables:
     that step of a ``bertpipe preprocess`` job writes FILE (its pid) and then waits, at most
     ``BERTPIPE_FAULT_STALL_S`` seconds (default 300), before it does the work: the test
     knows a worker holds a task of that stage, and loses the worker's host there.
+``BERTPIPE_FAULT_PREPROCESS_HOLD``
+    ``WriteShards:FILE``: while FILE exists, each element this process gets in that step
+    waits (at most ``BERTPIPE_FAULT_STALL_S`` seconds) before it does the work, and
+    ``FILE.held`` says it began to: a worker that cannot finish the stage before the test
+    removes FILE.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ FAULT_SIGNAL = "BERTPIPE_FAULT_SIGNAL"
 FAULT_IN_SAVE = "BERTPIPE_FAULT_IN_SAVE"
 FAULT_PREPROCESS_TERM = "BERTPIPE_FAULT_PREPROCESS_TERM"
 FAULT_PREPROCESS_STALL = "BERTPIPE_FAULT_PREPROCESS_STALL"
+FAULT_PREPROCESS_HOLD = "BERTPIPE_FAULT_PREPROCESS_HOLD"
 PREFIX = "BERTPIPE_FAULT_"
 
 _INJECT = Path(__file__).resolve().parent / "faultinject"
@@ -96,15 +102,18 @@ def install_from_environ() -> None:
     after = os.environ.get(FAULT_PREPROCESS_TERM)
     if after:
         _term_after_shards(int(after))
-    stall = os.environ.get(FAULT_PREPROCESS_STALL)
-    if stall:
-        step, _, marker = stall.partition(":")
-        _stall_in(step, marker, float(os.environ.get("BERTPIPE_FAULT_STALL_S", "300")))
+    limit_s = float(os.environ.get("BERTPIPE_FAULT_STALL_S", "300"))
+    for name, hold in ((FAULT_PREPROCESS_STALL, False), (FAULT_PREPROCESS_HOLD, True)):
+        value = os.environ.get(name)
+        if value:
+            step, _, path = value.partition(":")
+            _stall_in(step, Path(path), limit_s, hold=hold)
 
 
-def _stall_in(step: str, marker: str, limit_s: float) -> None:
-    """``BERTPIPE_FAULT_PREPROCESS_STALL=STEP:FILE``: the first element of that step in this
-    process writes FILE and waits (bounded) before the real work."""
+def _stall_in(step: str, path: Path, limit_s: float, *, hold: bool) -> None:
+    """The first element of that step in this process writes ``path`` and waits (``hold``
+    false), or each element waits while ``path`` exists (``hold`` true); bounded, then the
+    real work."""
     import time
 
     from bertpipe.preprocessing import pipeline
@@ -114,10 +123,15 @@ def _stall_in(step: str, marker: str, limit_s: float) -> None:
     stalled = [False]
 
     def process(self, element):  # type: ignore[no-untyped-def]
-        if not stalled[0]:
+        if hold or not stalled[0]:
             stalled[0] = True
-            Path(marker).write_text(str(os.getpid()))
-            time.sleep(limit_s)
+            deadline = time.monotonic() + limit_s
+            if not hold:
+                path.write_text(str(os.getpid()))
+            elif path.exists():
+                path.with_name(path.name + ".held").write_text(str(os.getpid()))
+            while time.monotonic() < deadline and (path.exists() if hold else True):
+                time.sleep(0.1)
         yield from real(self, element)
 
     cls.process = process  # type: ignore[method-assign]
