@@ -13,14 +13,16 @@ manifest must be byte-identical (the manifest's config differs only in where the
 
 The second test loses host 2 twice in one job: its worker holds a read task (a stall
 fault, :mod:`tests.faultenv`, makes that certain) when every process on it is killed; a new
-worker started on host 2 then holds a shard task when its cable is pulled (host 1 writes no
-shard until then, so the job cannot end without host 2), and the scheduler drops it after
+worker started on host 2 then holds work of the shard stage (a shard task, or bucket results
+that shards need) when its cable is pulled (host 1 writes no shard until then, so the job
+cannot end without it), and the scheduler drops it after
 ``worker-ttl``. Dask reschedules the lost tasks on host 1's worker and the job completes
 with the same bytes; or (a Dask worker can wait for good on a peer that vanished mid-fetch)
 the driver's watch (:mod:`bertpipe.preprocessing.dask_watch`) ends the job within its bound
 with exit 75 and one line naming host 2's worker, and the same command then completes it
-with the same bytes. The test accepts either and prints which. The two tests share the scheduler and host 1's worker; a job that does
-not end puts what the scheduler and each worker still hold in the failure message.
+with the same bytes. The test accepts either and prints which. The two tests share the
+scheduler and host 1's worker; a job that does not end puts what the scheduler and each
+worker still hold in the failure message.
 """
 
 from __future__ import annotations
