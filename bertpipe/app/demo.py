@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,35 @@ MODELS = {"pretrained": False, "random-init": True}
 architecture from random weights."""
 
 
+@dataclass(frozen=True)
+class Size:
+    """How much of everything the demo does."""
+
+    documents: int | None = None
+    """Corpus documents (None: all of the Python documentation's prose, ~2,700)."""
+    vocab_size: int = 8000
+    phase_steps: tuple[int | None, int | None] = (None, None)
+    """Pre-training steps per phase (None: ``configs/pretrain-demo.yaml``'s)."""
+    every_steps: int | None = None
+    """Checkpoint and held-out evaluation interval (None: the recipe's)."""
+    seeds: tuple[int, ...] = tuple(SEEDS)
+    epochs: int = EPOCHS
+    train_per_label: int = TASK_TRAIN_PER_LABEL
+
+
+FULL = Size()
+SMOKE = Size(
+    documents=120,
+    vocab_size=2000,
+    phase_steps=(30, 4),
+    every_steps=15,
+    seeds=(1,),
+    epochs=1,
+    train_per_label=8,
+)
+"""``--smoke``: every stage and every engine, at a size that only shows they work."""
+
+
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "demo",
@@ -85,16 +115,27 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--documents", type=int, default=None, help="use only this many documents (faster)"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the same flow at a size that checks an installation in about a minute: "
+        f"{SMOKE.documents} documents, {SMOKE.phase_steps[0]} + {SMOKE.phase_steps[1]} "
+        f"pre-training steps, one seed and one epoch per task (the scores mean nothing)",
+    )
     parser.set_defaults(handler=_demo)
 
 
 def _demo(args: argparse.Namespace, passthrough: list[str]) -> int:
-    run_demo(Path(args.out), documents=args.documents)
+    run_demo(Path(args.out), documents=args.documents, smoke=args.smoke)
     return 0
 
 
-def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
-    """Run every stage into ``out`` and return what each produced."""
+def run_demo(out: Path, documents: int | None = None, smoke: bool = False) -> dict[str, object]:
+    """Run every stage into ``out`` and return what each produced (``smoke``: at
+    :data:`SMOKE`'s size)."""
+    size = SMOKE if smoke else FULL
+    if documents is None:
+        documents = size.documents
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     uri = f"sqlite:///{out / 'mlflow.db'}"
@@ -103,13 +144,13 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
     results: dict[str, object] = {}
     steps: list[tuple[str, Callable[[], object]]] = [
         ("corpus", lambda: demo_corpus(out, documents)),
-        ("tokenizer", lambda: demo_tokenizer(out, common)),
+        ("tokenizer", lambda: demo_tokenizer(out, common, size.vocab_size)),
         ("preprocess", lambda: _preprocess(out, common)),
-        ("pretrain", lambda: _pretrain(out, common)),
+        ("pretrain", lambda: _pretrain(out, common, size)),
         ("export", lambda: _export(out)),
-        ("tasks", lambda: demo_tasks(out)),
-        ("evaluate-pretrained", lambda: _evaluate(out, common, "pretrained", demo_id)),
-        ("evaluate-random-init", lambda: _evaluate(out, common, "random-init", demo_id)),
+        ("tasks", lambda: demo_tasks(out, size.train_per_label)),
+        ("evaluate-pretrained", lambda: _evaluate(out, common, "pretrained", demo_id, size)),
+        ("evaluate-random-init", lambda: _evaluate(out, common, "random-init", demo_id, size)),
     ]
     started = time.monotonic()
     for name, step in steps:
@@ -117,7 +158,7 @@ def run_demo(out: Path, documents: int | None = None) -> dict[str, object]:
         log.info("demo: %s ...", name)
         results[name] = step()
         log.info("demo: %s done in %.1f s", name, time.monotonic() - t0)
-    _print_summary(out, uri, results, time.monotonic() - started)
+    _print_summary(out, uri, results, time.monotonic() - started, size)
     _compare(out, uri, demo_id)
     return results
 
@@ -131,7 +172,7 @@ def demo_corpus(out: Path, documents: int | None) -> list[str]:
     return write_corpus(str(folder), fmt="jsonl", files=4, max_documents=documents)
 
 
-def demo_tokenizer(out: Path, common: list[str]) -> object:
+def demo_tokenizer(out: Path, common: list[str], vocab_size: int = FULL.vocab_size) -> object:
     from bertpipe.cli_args import write_resolved_config
     from bertpipe.config import load_config
     from bertpipe.preprocessing.config import TokenizerConfig
@@ -144,7 +185,7 @@ def demo_tokenizer(out: Path, common: list[str]) -> object:
             f"input.paths=[{out / 'corpus'}]",
             "input.format=jsonl",
             f"output={out / 'tokenizer'}",
-            "vocab_size=8000",
+            f"vocab_size={vocab_size}",
             "overwrite=true",
             "tracking.run_name=demo-tokenizer",
             *common,
@@ -188,7 +229,7 @@ def _preprocess(out: Path, common: list[str]) -> object:
     }
 
 
-def _pretrain(out: Path, common: list[str]) -> object:
+def _pretrain(out: Path, common: list[str], size: Size = FULL) -> object:
     """Both phases of a tiny BERT on CPU, from configs/pretrain-demo.yaml."""
     from bertpipe.config import load_config
     from bertpipe.training.config import PretrainConfig
@@ -204,6 +245,7 @@ def _pretrain(out: Path, common: list[str]) -> object:
             "checkpoint.resume=none",
             "tracking.run_name=demo-pretrain",
             *common,
+            *_size_overrides(size),
         ],
     )
     if (out / "pretrain").exists():  # a fresh run each time the demo runs
@@ -213,23 +255,35 @@ def _pretrain(out: Path, common: list[str]) -> object:
     return run_pretraining(cfg)
 
 
+def _size_overrides(size: Size) -> list[str]:
+    overrides = [
+        f"phases[{i}].max_steps={steps}" for i, steps in enumerate(size.phase_steps) if steps
+    ]
+    if size.every_steps:
+        overrides += [f"eval.every_steps={size.every_steps}"]
+        overrides += [f"checkpoint.every_steps={size.every_steps}"]
+    return overrides
+
+
 def _export(out: Path) -> object:
     from bertpipe.training.export import export_checkpoint
 
     return export_checkpoint(str(out / "pretrain" / "checkpoints"), str(out / "bert-tiny-hf"))
 
 
-def demo_tasks(out: Path) -> str:
+def demo_tasks(out: Path, train_per_label: int = TASK_TRAIN_PER_LABEL) -> str:
     import shutil
 
     from bertpipe.finetuning.sample_task import write_demo_suite
 
     if (out / "tasks").exists():  # no task of an earlier demo's suite left beside this one's
         shutil.rmtree(out / "tasks")
-    return write_demo_suite(str(out / "tasks"), train_per_label=TASK_TRAIN_PER_LABEL)
+    return write_demo_suite(str(out / "tasks"), train_per_label=train_per_label)
 
 
-def _evaluate(out: Path, common: list[str], name: str, demo_id: str) -> SuiteResult:
+def _evaluate(
+    out: Path, common: list[str], name: str, demo_id: str, size: Size = FULL
+) -> SuiteResult:
     """The suite from the export (``pretrained``) or from the same architecture with random
     weights (``random-init``): the comparison shows what pre-training is worth here."""
     from bertpipe.cli_args import write_resolved_config
@@ -248,8 +302,8 @@ def _evaluate(out: Path, common: list[str], name: str, demo_id: str) -> SuiteRes
             "overwrite=true",  # a rerun of the demo replaces its previous suite
             f"finetune={{random_init: {str(MODELS[name]).lower()}}}",
             f"protocol.learning_rates={LEARNING_RATES}",
-            f"protocol.seeds={SEEDS}",
-            f"protocol.epochs={EPOCHS}",
+            f"protocol.seeds={list(size.seeds)}",
+            f"protocol.epochs={size.epochs}",
             f"protocol.batch_size={BATCH_SIZE}",
             f"parallel={PARALLEL}",
             f"tracking.run_name=demo-evaluate-{name}",
@@ -305,7 +359,9 @@ def unigram_baseline(shards: Path) -> float:
     return counts["heldout"][top] / sum(counts["heldout"].values())
 
 
-def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: float) -> None:
+def _print_summary(
+    out: Path, uri: str, results: dict[str, object], seconds: float, size: Size = FULL
+) -> None:
     lines = [
         "",
         f"bertpipe demo finished in {seconds / 60:.1f} min. Outputs in {out}:",
@@ -335,6 +391,7 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
         out,
         results["evaluate-pretrained"],  # type: ignore[arg-type]
         results["evaluate-random-init"],  # type: ignore[arg-type]
+        size,
     )
     lines += [
         "",
@@ -350,7 +407,9 @@ def _print_summary(out: Path, uri: str, results: dict[str, object], seconds: flo
     sys.stdout.flush()
 
 
-def _suite_lines(out: Path, pretrained: SuiteResult, random: SuiteResult) -> list[str]:
+def _suite_lines(
+    out: Path, pretrained: SuiteResult, random: SuiteResult, size: Size = FULL
+) -> list[str]:
     """The suite's scores per task and on average from both initialisations, each the number
     the compare table shows for it (dev accuracy x100, mean ± std over the seeds, at the
     chosen learning rate)."""
@@ -375,9 +434,9 @@ def _suite_lines(out: Path, pretrained: SuiteResult, random: SuiteResult) -> lis
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     lines = [
         f"  evaluate    suite {ours.suite} ({out / 'tasks' / 'suite.yaml'}, "
-        f"{TASK_TRAIN_PER_LABEL} training rows per class), outputs in {out / 'evaluate'}",
-        f"              dev accuracy x100 at the last of {EPOCHS} epochs (batch {BATCH_SIZE}), "
-        f"mean ± std over seeds {', '.join(map(str, SEEDS))},",
+        f"{size.train_per_label} training rows per class), outputs in {out / 'evaluate'}",
+        f"              dev accuracy x100 at the last of {size.epochs} epochs "
+        f"(batch {BATCH_SIZE}), mean ± std over seeds {', '.join(map(str, size.seeds))},",
         f"              at {rate}:",
     ]
     for row in rows:
@@ -389,7 +448,7 @@ def _suite_lines(out: Path, pretrained: SuiteResult, random: SuiteResult) -> lis
     gain = round(ours.average * 100, 1) - round(theirs.average * 100, 1)
     lines.append(
         f"  pre-training buys {gain:+.1f} points of dev accuracy on the suite average "
-        f"({len(ours.tasks)} tasks, {len(SEEDS)} seeds each)"
+        f"({len(ours.tasks)} tasks, {len(size.seeds)} seeds each)"
     )
     return lines
 
