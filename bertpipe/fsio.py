@@ -505,10 +505,15 @@ def parse_json(raw: bytes | str, url: str, advice: str) -> Any:
     try:
         return json.loads(raw)
     except json.JSONDecodeError as exc:
-        where = f"line {exc.lineno}, column {exc.colno} (byte {exc.pos}): {exc.msg}"
+        # the decoder's message names what it found, its position where that is (``msg``
+        # alone reads "Unterminated string starting at", the position cut off)
+        what = exc.msg[:1].lower() + exc.msg[1:]
+        at = "" if what.endswith(" at") else " at"
+        place = f"line {exc.lineno}, column {exc.colno} (character {exc.pos} of {len(exc.doc)})"
+        where = f"{what}{at} {place}"
     except ValueError as exc:  # not UTF-8
         where = str(exc).splitlines()[0]
-    raise BadFileError(f"{redact(url)} is not valid JSON at {where}: {advice}")
+    raise BadFileError(f"{redact(url)} is not valid JSON: {where}: {advice}")
 
 
 def file_sha256(url: str) -> str:

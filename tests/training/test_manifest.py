@@ -111,12 +111,29 @@ def test_a_shard_back_before_the_retries_end_is_read_normally(folder: str) -> No
 
 
 def test_a_truncated_manifest_is_one_line_with_the_position(folder: str) -> None:
+    """Cut inside a string and between two entries: the whole line, position included
+    (the decoder's "Unterminated string starting at" once lost its position)."""
     url = fsio.join(folder, "manifest.json")
     with fsio.open_url(url, "rb") as f:
         raw = f.read()
-    fsio.atomic_write_bytes(url, raw[: len(raw) // 2])
-    with pytest.raises(DataError) as error:
-        read_phase_data(PhaseSpec(data=folder), "phases[0]")
-    message = str(error.value)
-    assert message.startswith(f"{url} is not valid JSON at line ") and "column" in message
-    assert "\n" not in message and "bertpipe preprocess" in message
+    advice = "rerun `bertpipe preprocess` for this phase"
+    start = raw.index(b'"format"')  # the string the cut falls in begins here
+    line, column = raw[:start].count(b"\n") + 1, start - raw.rfind(b"\n", 0, start)
+    cut = raw.index(b",", start) + 1  # the file ends after a comma
+    cut_line, cut_column = raw[:cut].count(b"\n") + 1, cut - raw.rfind(b"\n", 0, cut)
+    for size, expected in (
+        (
+            start + 4,
+            f"{url} is not valid JSON: unterminated string starting at line {line}, column "
+            f"{column} (character {start} of {start + 4}): {advice}",
+        ),
+        (
+            cut,
+            f"{url} is not valid JSON: expecting property name enclosed in double quotes at "
+            f"line {cut_line}, column {cut_column} (character {cut} of {cut}): {advice}",
+        ),
+    ):
+        fsio.atomic_write_bytes(url, raw[:size])
+        with pytest.raises(DataError) as error:
+            read_phase_data(PhaseSpec(data=folder), "phases[0]")
+        assert str(error.value) == expected
