@@ -57,6 +57,7 @@ FORBIDDEN_CODES = frozenset({"403", "Forbidden"})
 """What botocore reports for a 403 answer without a body (``HEAD``): credentials refused or
 access denied, the server does not say which."""
 
+_BOTOCORE = frozenset({"botocore", "aiobotocore"})
 _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
 _UNREACHABLE = ("EndpointConnectionError", "ConnectTimeoutError")
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "az", "adl", "oss"})
@@ -77,8 +78,15 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
 
 
 def _named(exc: BaseException, names: tuple[str, ...]) -> BaseException | None:
+    """The first exception in ``exc``'s chain of a botocore class named in ``names``. Only
+    botocore's: urllib3 has a ``ConnectTimeoutError`` too (the base of its
+    ``NewConnectionError``), which an MLflow server that cannot be reached raises, and that
+    is no object storage."""
     for current in _chain(exc):
-        if any(cls.__name__ in names for cls in type(current).__mro__):
+        if any(
+            cls.__name__ in names and cls.__module__.split(".")[0] in _BOTOCORE
+            for cls in type(current).__mro__
+        ):
             return current
     return None
 

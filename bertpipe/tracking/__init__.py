@@ -7,8 +7,10 @@ split by concern:
 * :mod:`~bertpipe.tracking.client`: :class:`TrackingConfig`, the store's absolute URI and
   experiment (:func:`connect`), a config as params (:func:`config_params`), the lineage tags
   (:data:`TAG_STAGE`, :data:`TAG_PARENT`, :data:`TAG_DATA_CHECKSUM`), the short HTTP
-  timeout of mid-run calls (:data:`~bertpipe.tracking.client.HTTP_TIMEOUT`), and a run that
-  has ended, by its id (:func:`connect_to_run`, :func:`set_run_tag`, :func:`log_run_artifact`).
+  timeout of mid-run calls (:data:`~bertpipe.tracking.client.HTTP_TIMEOUT`), the probe of a
+  tracking server before a run starts (:func:`~bertpipe.tracking.client.check_reachable`),
+  and a run that has ended, by its id (:func:`connect_to_run`, :func:`set_run_tag`,
+  :func:`log_run_artifact`).
 * :mod:`~bertpipe.tracking.lifecycle`: :func:`start_run` and the logging calls made inside it.
 * :mod:`~bertpipe.tracking.outbox`: the outage buffer. Tracking never stops a run: what
   MLflow could not take waits in ``<output>/mlflow-buffer.jsonl`` (:func:`buffer_path`) and is
@@ -16,6 +18,8 @@ split by concern:
   every :data:`~bertpipe.tracking.outbox.RETRY_SECONDS`, so a store that is down costs the
   loop (and the ranks waiting for rank 0 in the next collective) at most one short attempt
   per retry interval; :func:`replay_buffer` sends a buffer left behind.
+* :mod:`~bertpipe.tracking.system_metrics`: MLflow's system-metrics samplers in a thread,
+  sending through the open run's outbox (so an outage buffers them too).
 * :mod:`~bertpipe.tracking.inputs`: what a run read and made as MLflow's own dataset inputs
   and logged models (:class:`DatasetRef`, :func:`log_inputs`, :func:`log_folder_model`).
 * :mod:`~bertpipe.tracking.registry`: :func:`log_hf_model` (a model as a logged model of its

@@ -98,13 +98,11 @@ def start_run(
         all_tags[TAG_PARENT] = parent_run_id
     detached = None
     run: Any  # an mlflow.ActiveRun, or a _DetachedRun (same ``run.info.run_id``)
-    if cfg.system_metrics:  # MLflow's own monitor: a thread sampling into this run
-        mlflow.set_system_metrics_sampling_interval(cfg.system_metrics_interval_s)
     if resume_run_id:
         try:
             with quick_http():  # a store that is down costs one short attempt, not minutes
-                connect(cfg)
-                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=cfg.system_metrics)
+                connect(cfg, probe_seconds=0)
+                run = mlflow.start_run(run_id=resume_run_id, log_system_metrics=False)
         except Exception as exc:  # the run goes on; its records wait in the buffer
             detached = exc
             run = _DetachedRun(resume_run_id)
@@ -116,7 +114,7 @@ def start_run(
             nested=nested_in is not None,
             parent_run_id=nested_in,
             tags=all_tags,
-            log_system_metrics=cfg.system_metrics,
+            log_system_metrics=False,  # sampled below, through the outbox
         )
     global _outbox
     sigterm = _TermAsKilled()
@@ -124,12 +122,15 @@ def start_run(
     path = buffer or os.path.abspath(os.path.join("runs", "mlflow-buffer", f"{run_id}.jsonl"))
     outer, _outbox = _outbox, Outbox(run_id, path)
     status = "FINISHED"
+    sampler = None
     try:
         if detached is not None:
             _outbox.detached = True
             _outbox.failed(detached)
         else:
             _outbox.replay(force=True, resuming=True)
+        if cfg.system_metrics:
+            sampler = _start_system_metrics(cfg, _outbox, resumed=resume_run_id is not None)
         if resume_run_id:
             set_tags(all_tags)
         elif config is not None:
@@ -144,8 +145,25 @@ def start_run(
         raise
     finally:
         sigterm.restore()
+        if sampler is not None:
+            sampler.finish()  # its last aggregate goes before the run's end
         outbox, _outbox = _outbox, outer
         outbox.close(status)
+
+
+def _start_system_metrics(cfg: TrackingConfig, outbox: Outbox, resumed: bool) -> Any:
+    """MLflow's system-metrics samplers in a thread, sending through ``outbox`` (see
+    :mod:`~bertpipe.tracking.system_metrics`); None, with a warning, if they cannot start."""
+    from bertpipe.tracking.system_metrics import OutboxSystemMetrics, next_system_step
+
+    try:
+        first = next_system_step(outbox, resumed)
+        sampler = OutboxSystemMetrics(outbox, cfg.system_metrics_interval_s, first)
+    except Exception as exc:  # psutil missing, a sampler failing at start: the run goes on
+        log.warning("system metrics not logged for run %s: %s", outbox.run_id, exc)
+        return None
+    sampler.start()
+    return sampler
 
 
 class _TermAsKilled:

@@ -8,7 +8,8 @@ timestamps, when the store answers again (tried at most every :data:`RETRY_SECON
 end of the run, or when a later run with the same buffer starts (a resumed pre-training).
 One warning when tracking fails, one when it recovers; ``tracking/failed_calls`` and
 ``tracking/replayed_metrics`` are logged once it works again. :func:`replay_buffer` sends
-what a run left behind by hand.
+what a run left behind by hand. An outbox is shared by the stage's thread and the run's
+system-metrics sampler (:mod:`~bertpipe.tracking.system_metrics`): one sends at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -30,6 +32,7 @@ __all__ = [
     "BATCH_METRICS",
     "BUFFER_NAME",
     "RETRY_SECONDS",
+    "SYSTEM_PREFIX",
     "Outbox",
     "buffer_path",
     "encode_value",
@@ -41,6 +44,8 @@ __all__ = [
 
 BUFFER_NAME = "mlflow-buffer.jsonl"
 """The buffer of unsent tracking records in a run's output folder."""
+SYSTEM_PREFIX = "system/"
+"""The key prefix of MLflow's system metrics (sampled with their own step counter)."""
 RETRY_SECONDS = 60.0
 """While the store is down, how often a call tries it again (the others go to the buffer)."""
 BATCH_METRICS = 1000
@@ -64,7 +69,9 @@ def encode_value(value: float) -> float | str:
 
 class Outbox:
     """The open run's sender: straight to MLflow while it answers, else to the buffer file
-    (append-only JSONL), replayed when the store answers again."""
+    (append-only JSONL), replayed when the store answers again. Thread-safe: a send, a replay
+    and the close hold a lock, so records keep their order in the buffer and the store is
+    tried at most once per ``retry_seconds`` whichever thread tries it."""
 
     def __init__(self, run_id: str, path: str, retry_seconds: float | None = None) -> None:
         self.run_id = run_id
@@ -77,6 +84,7 @@ class Outbox:
         self.last_step = 0
         self.detached = False
         """The run was never reopened in MLflow (store down at resume): its end is a record."""
+        self._lock = threading.RLock()
 
     def pending(self) -> bool:
         """Whether the buffer file holds records."""
@@ -84,9 +92,13 @@ class Outbox:
 
     def send(self, records: list[dict[str, Any]]) -> None:
         """Send ``records`` (after what the buffer holds), or append them to the buffer."""
+        with self._lock:
+            self._send(records)
+
+    def _send(self, records: list[dict[str, Any]]) -> None:
         for r in records:
-            if r["kind"] == "metric":
-                self.last_step = max(self.last_step, int(r["step"]))
+            if r["kind"] == "metric" and not str(r["key"]).startswith(SYSTEM_PREFIX):
+                self.last_step = max(self.last_step, int(r["step"]))  # the stage's own steps
         if self.pending() and not self.replay():
             self._append(records)
             return
@@ -100,6 +112,10 @@ class Outbox:
     def replay(self, force: bool = False, resuming: bool = False) -> bool:
         """Send what the buffer holds (at most every ``retry_seconds`` unless ``force``);
         True when the buffer is empty after it. Never raises."""
+        with self._lock:
+            return self._replay(force, resuming)
+
+    def _replay(self, force: bool, resuming: bool) -> bool:
         if not self.pending():
             return True
         if not force and time.monotonic() < self.next_try:
@@ -153,6 +169,10 @@ class Outbox:
     def close(self, status: str) -> None:
         """End the run: replay the buffer, set the run's status; if the store is still down,
         leave both in the buffer (one warning)."""
+        with self._lock:
+            self._close(status)
+
+    def _close(self, status: str) -> None:
         import mlflow
 
         self.replay(force=True)

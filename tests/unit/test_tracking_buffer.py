@@ -21,9 +21,18 @@ from tests.conftest import free_port, sqlite_uri
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 
-def _setup(tmp_path: Path) -> tuple[tracking.TrackingConfig, str, str, Path]:
+def _setup(
+    tmp_path: Path, system_metrics: bool = False
+) -> tuple[tracking.TrackingConfig, str, str, Path]:
+    """A store, its config (system metrics off unless asked: they would add records to the
+    buffers these tests read), a URI where nothing listens, and the buffer's path."""
     uri = sqlite_uri(tmp_path / "mlflow.db")
-    cfg = tracking.TrackingConfig(uri=uri, experiment="buffer")
+    cfg = tracking.TrackingConfig(
+        uri=uri,
+        experiment="buffer",
+        system_metrics=system_metrics,
+        system_metrics_interval_s=0.1,
+    )
     return cfg, uri, f"http://127.0.0.1:{free_port()}", tmp_path / "out" / tracking.BUFFER_NAME
 
 
@@ -223,3 +232,64 @@ def test_resume_while_the_store_is_down_goes_on_and_buffers(
     client = mlflow.MlflowClient(tracking_uri=uri)
     assert client.get_run(run_id).info.status == "FINISHED"
     assert "ds_config_phase2.json" in [a.path for a in client.list_artifacts(run_id)]
+
+
+def _system_points(uri: str, run_id: str) -> list[tuple[int, int]]:
+    """(step, timestamp) of the run's ``system/cpu_utilization_percentage`` points."""
+    import mlflow
+
+    history = mlflow.MlflowClient(tracking_uri=uri).get_metric_history(
+        run_id, "system/cpu_utilization_percentage"
+    )
+    return sorted((m.step, m.timestamp) for m in history)
+
+
+def test_system_metrics_of_an_outage_are_buffered_and_replayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's samplers in a thread, through the outbox: while the store is down their
+    points wait in the buffer with the stage's and arrive with their own timestamps, and the
+    sampling goes on after it (MLflow's own monitor stops at its first failed call). A
+    resumed run's system steps continue after the last one."""
+    import time
+
+    import mlflow
+
+    cfg, uri, down, buffer = _setup(tmp_path, system_metrics=True)
+    monkeypatch.setattr(tracking_outbox, "RETRY_SECONDS", 3600.0)
+    with tracking.start_run(cfg, "pretrain", buffer=str(buffer)) as run:
+        assert run is not None
+        run_id = run.info.run_id
+        time.sleep(0.5)
+        mlflow.set_tracking_uri(down)
+        outage = int(time.time() * 1000)
+        tracking.log_metrics({"train/loss": 2.0}, step=1)
+        time.sleep(0.6)
+        buffered = [json.loads(line) for line in buffer.read_text().splitlines()]
+        system = [r for r in buffered if r["key"] == "system/cpu_utilization_percentage"]
+        assert len(system) >= 2 and all(r["timestamp"] >= outage for r in system)
+        back = int(time.time() * 1000)
+        mlflow.set_tracking_uri(uri)
+        outbox = tracking_lifecycle.current_outbox()
+        assert outbox is not None
+        outbox.next_try = 0.0
+        deadline = time.monotonic() + 10
+        while buffer.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the sampler's next send replays the buffer
+        assert not buffer.exists()
+        time.sleep(0.3)
+    points = _system_points(uri, run_id)
+    steps = [s for s, _ in points]
+    assert steps == list(range(len(steps)))  # each aggregate once, none lost
+    during = [t for _, t in points if outage <= t <= back]
+    assert len(during) >= len(system)
+    assert [t for _, t in points if t > back]  # sampling went on after the outage
+    assert _history(uri, run_id, "train/loss") == [(1, 2.0)]
+    with tracking.start_run(cfg, "pretrain", resume_run_id=run_id, buffer=str(buffer)):
+        time.sleep(0.25)
+    again = [s for s, _ in _system_points(uri, run_id)]
+    assert (
+        again[: len(steps)] == steps
+        and again == list(range(len(again)))
+        and len(again) > len(steps)
+    )
