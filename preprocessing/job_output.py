@@ -17,6 +17,12 @@ partial files of the tasks that were cut off (``.<name>.tmp-<uuid>``) are remove
 tasks are not run again, and the output is byte-identical to an uninterrupted run's. A
 manifest means a finished dataset: refused without ``--overwrite`` as before; a stopped job of
 another config or input is refused with one line (``--overwrite`` starts over).
+
+**The workers' log** (:func:`worker_log_path`, :func:`beam_logs_to`): Beam's own logging and
+the output of the direct runner's worker processes go to ``logs/<output name>-preprocess.log``
+beside the output (not inside it: readers list the output's folders), not to the console. A
+failed job's console keeps one line (:func:`worker_failure`) naming the input, the cause and
+that log, which holds the workers' tracebacks.
 """
 
 from __future__ import annotations
@@ -26,20 +32,28 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
+import re
+import shlex
 import signal
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from apache_beam.portability import python_urns
+from apache_beam.runners.portability.fn_api_runner import FnApiRunner
+
 from bertpipe import fsio
 from bertpipe.config import ConfigError, to_dict
-from bertpipe.errors import BertpipeError
+from bertpipe.errors import BertpipeError, DiskFullError
 from bertpipe.preprocessing.config import OPERATIONAL_KEYS, PreprocessConfig
 from bertpipe.preprocessing.dedup import quality_folder, samples_folder
 from bertpipe.preprocessing.pipeline import (
     Plan,
+    TaskFailedError,
     manifest_url,
     parts_folder,
     progress_folder,
@@ -47,16 +61,22 @@ from bertpipe.preprocessing.pipeline import (
     spill_folder,
 )
 from bertpipe.preprocessing.ranges import ReadRange
+from bertpipe.preprocessing.readers import InputGoneError
+from bertpipe.preprocessing.tokenizer import TokenizerMismatchError
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "LoggedFnApiRunner",
     "OutputExistsError",
+    "beam_logs_to",
     "check_output",
     "check_writable",
     "job_identity",
     "remove_scratch",
     "start_output",
+    "worker_failure",
+    "worker_log_path",
     "workers_stopped",
 ]
 
@@ -251,3 +271,131 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# --------------------------------------------------------------------------- the workers' log
+
+LOG_FOLDER = "logs"
+"""The folder beside a local output that holds its jobs' logs."""
+
+
+def worker_log_path(output: str, kind: str = "preprocess") -> Path | None:
+    """The local file, started afresh, for a job's Beam log and worker output:
+    ``<parent>/logs/<name>-<kind>.log`` beside a local ``output`` (not inside it: the
+    output's folders are what readers list and what reruns compare), else under the
+    temporary folder (an output on object storage, a parent that cannot be written).
+    None if neither can be written (the log stays on the console)."""
+    fs, path = fsio.to_fs(output)
+    name = posixpath.basename(path.rstrip("/")) or "output"
+    candidates = []
+    if fsio.is_local(fs):
+        candidates.append(Path(path).resolve().parent / LOG_FOLDER / f"{name}-{kind}.log")
+    digest = hashlib.sha256(output.encode()).hexdigest()[:8]
+    temp = Path(tempfile.gettempdir()) / "bertpipe-logs" / f"{name}-{digest}-{kind}.log"
+    for candidate in [*candidates, temp]:
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        try:
+            candidate.parent.mkdir(parents=True, exist_ok=True)
+            candidate.write_text(f"# bertpipe {kind} of {fsio.redact(output)}, {started}\n")
+        except OSError:
+            continue
+        return candidate
+    return None
+
+
+class LoggedFnApiRunner(FnApiRunner):
+    """Beam's FnApiRunner (what the direct runner runs on) whose SDK worker processes
+    (``direct_running_mode=multi_processing``) write their stdout and stderr, where their
+    logging and tracebacks go, to :attr:`worker_log` when it is set, not to the console.
+
+    The runner starts each worker with ``sh -c <command>`` (``SubprocessSdkWorker``); the
+    command of the pipeline's subprocess environments is given a redirection."""
+
+    worker_log: Path | None = None
+
+    def run_via_runner_api(self, pipeline_proto: Any, options: Any) -> Any:
+        if self.worker_log is not None:
+            target = shlex.quote(str(self.worker_log))
+            for env in pipeline_proto.components.environments.values():
+                if env.urn == python_urns.SUBPROCESS_SDK:
+                    command = env.payload.decode("utf-8")
+                    env.payload = f"{command} >>{target} 2>&1".encode()
+        return super().run_via_runner_api(pipeline_proto, options)
+
+
+@contextlib.contextmanager
+def beam_logs_to(pipeline: Any, path: Path | None) -> Iterator[None]:
+    """For the block, Beam's logging in this process (the in-process workers' errors, the
+    worker processes' log entries the runner relays) goes to ``path`` instead of the
+    console, and so does the output of the direct runner's worker processes."""
+    if path is None:
+        yield
+        return
+    runner = getattr(pipeline, "runner", None)
+    if isinstance(runner, LoggedFnApiRunner):
+        runner.worker_log = path
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    beam = logging.getLogger("apache_beam")
+    propagate = beam.propagate
+    beam.addHandler(handler)
+    beam.propagate = False
+    try:
+        yield
+    finally:
+        beam.removeHandler(handler)
+        beam.propagate = propagate
+        handler.close()
+
+
+_KNOWN = (InputGoneError, TokenizerMismatchError, TaskFailedError)
+"""Errors of the workers that already name their input and cause (kept as they are)."""
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)): (.+)$", re.MULTILINE)
+_BEAM_STEP = re.compile(r" \[while running '[^']*'\]")
+"""What Beam appends to a worker's error message (the step's name)."""
+_DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def worker_failure(exc: BaseException, log_path: Path | None) -> BertpipeError:
+    """The one-line error of a job whose worker failed with ``exc`` (as the runner raised
+    it: the worker's exception, wrapped, or its traceback as text), naming the log that
+    holds the workers' tracebacks: an input gone stays exit 75, a full disk is exit 74,
+    anything else a :class:`TaskFailedError` (exit 1)."""
+    where = f"; the workers' tracebacks are in {log_path}" if log_path else ""
+    for kind in _KNOWN:
+        message = worker_error(exc, kind)
+        if message is not None:
+            return kind(_BEAM_STEP.sub("", message) + where)
+    text = "\n".join(str(e) for e in _chain(exc))
+    found = _ERROR_LINE.findall(text)
+    cause = f"{found[-1][0]}: {found[-1][1].strip()}" if found else _first_line(exc)
+    cause = _BEAM_STEP.sub("", cause)
+    if any(marker in text for marker in _DISK_FULL):
+        return DiskFullError(f"a preprocessing worker ran out of disk space ({cause}){where}")
+    return TaskFailedError(f"a preprocessing worker failed: {cause}{where}")
+
+
+def worker_error(exc: BaseException, kind: type[BaseException]) -> str | None:
+    """The message of a ``kind`` error raised in a worker, found in ``exc`` (the runner
+    re-raises it, wraps it, or carries its traceback as text), or None."""
+    for seen in _chain(exc):
+        if isinstance(seen, kind):
+            return str(seen)
+        found = re.search(rf"{kind.__name__}: ([^\n]+)", str(seen))
+        if found:
+            return found.group(1).strip().strip("'\"")
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(seen) < 10 and current not in seen:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__

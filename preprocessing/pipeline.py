@@ -42,6 +42,7 @@ from apache_beam.metrics import Metrics
 
 from bertpipe import fsio
 from bertpipe.config import to_dict
+from bertpipe.errors import BertpipeError
 from bertpipe.preprocessing.config import OPERATIONAL_KEYS, PhaseConfig, PreprocessConfig
 from bertpipe.preprocessing.dedup import (
     REASONS,
@@ -78,6 +79,7 @@ __all__ = [
     "PartRef",
     "Plan",
     "SpillRef",
+    "TaskFailedError",
     "build_pipeline",
     "manifest_url",
     "parts_folder",
@@ -123,8 +125,9 @@ class Plan:
     dedup_partitions: int = 1
     """Partitions of the deduplication keys (as many as buckets: memory per task stays flat)."""
     report_only: bool = False
-    """``bertpipe preprocess --dry-run-quality``: documents are checked and counted, nothing
-    is spilled for instances."""
+    """``bertpipe preprocess --dry-run-quality``: documents are checked and counted, and no
+    instance is made; they are spilled only for deduplication to take its removals out of
+    the counts (as the job does where it makes instances)."""
 
     def phase(self, name: str) -> PhaseConfig:
         return next(p for p in self.cfg.phases if p.name == name)
@@ -219,6 +222,14 @@ def manifest_url(output: str, phase: str) -> str:
     return fsio.join(output, phase, "manifest.json")
 
 
+class TaskFailedError(BertpipeError):
+    """A task of the job failed for another reason than its input or storage (a bug, no
+    memory left): exit status 1; the message names the task's input and the cause, the
+    worker's traceback is in the job's log."""
+
+    exit_code = 1
+
+
 # --------------------------------------------------------------------------- DoFns
 
 
@@ -259,6 +270,20 @@ class ReadTokenizeFn(beam.DoFn):
                 self._index = EvalIndex.from_bytes(f.read())
 
     def process(self, task: ReadRange) -> Iterator[Any]:
+        try:
+            yield from self._read(task)
+        except BertpipeError:  # an input gone, a tokenizer changed: they name what
+            raise
+        except Exception as exc:
+            what = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            unit = "row groups" if self._plan.cfg.input.format == "parquet" else "bytes"
+            where = "" if task.end is None else f" ({unit} {task.start}-{task.end})"
+            raise TaskFailedError(
+                f"reading {fsio.redact(task.url)}{where} failed: {type(exc).__name__}: "
+                f"{fsio.redact(what)}"
+            ) from exc
+
+    def _read(self, task: ReadRange) -> Iterator[Any]:
         cfg = self._plan.cfg
         name = f"read-{task.index:06d}"
         done = finished(cfg.output, name)
@@ -358,7 +383,7 @@ class ReadTokenizeFn(beam.DoFn):
             counts["sentences"] += len(doc_ids)
             counts["tokens"] += total
             tokenized = TokenizedDoc(doc.doc_id, tokens, np.cumsum(lengths, dtype=np.int32))
-            if not self._plan.report_only:
+            if not self._plan.report_only or cfg.quality.dedup.enabled:
                 spill.add((split, bucket), order, tokenized.pack())
             if quality is not None:
                 quality.keep(order & 0xFFFFFFFF, verdict)
@@ -492,7 +517,7 @@ class CreateInstancesFn(beam.DoFn):
         # document-id order, whatever ranges and flushes the documents came in
         docs = sorted((doc for _, doc in entries), key=lambda d: d.doc_id)
         del entries
-        if not docs:
+        if not docs or plan.report_only:  # (a report counts, it makes no instance)
             for phase in cfg.phases:
                 yield "stats", (phase.name, ("stats", dict(removed)))
             return

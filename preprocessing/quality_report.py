@@ -2,8 +2,10 @@
 without making instances or writing shards.
 
 The read stage and the deduplication of the real job run (same code, same counts and review
-samples as the job would give) into a scratch folder under ``output``; the counts are written
-to ``<output>/quality-report/report.json`` with the review samples beside them, and printed.
+samples as the job would give; the duplicates are taken out of the counts by the job's own
+instance step, which makes no instance here) into a scratch folder under ``output``; the
+counts are written to ``<output>/quality-report/report.json`` with the review samples beside
+them, and printed.
 Shards and manifests already in ``output`` are not touched.
 """
 
@@ -20,9 +22,11 @@ import apache_beam as beam
 
 from bertpipe import fsio, lease
 from bertpipe.config import ConfigError
+from bertpipe.errors import BertpipeError
 from bertpipe.preprocessing.config import PreprocessConfig
 from bertpipe.preprocessing.dedup import WriteSamplesFn
 from bertpipe.preprocessing.pipeline import (
+    CreateInstancesFn,
     Demux,
     Plan,
     ReadTokenizeFn,
@@ -42,7 +46,13 @@ def report_folder(output: str) -> str:
 
 def run_quality_report(cfg: PreprocessConfig, beam_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run the quality steps alone; returns (and writes) the counts."""
-    from bertpipe.preprocessing.job_output import remove_scratch, workers_stopped
+    from bertpipe.preprocessing.job_output import (
+        beam_logs_to,
+        remove_scratch,
+        worker_failure,
+        worker_log_path,
+        workers_stopped,
+    )
     from bertpipe.preprocessing.run import (
         LEASE_TIMEOUT_S,
         make_pipeline,
@@ -66,8 +76,14 @@ def run_quality_report(cfg: PreprocessConfig, beam_args: Sequence[str] = ()) -> 
         started = time.monotonic()
         pipeline = make_pipeline(beam_args, len(ranges), sum(r.text_bytes for r in ranges))
         _build(pipeline, plan, ranges)
-        with workers_stopped():
-            pipeline.run().wait_until_finish()
+        worker_log = worker_log_path(cfg.output, "quality-report")
+        with beam_logs_to(pipeline, worker_log), workers_stopped():
+            try:
+                pipeline.run().wait_until_finish()
+            except BertpipeError:
+                raise
+            except Exception as exc:  # a worker's error, as the runner carried it back
+                raise worker_failure(exc, worker_log) from exc
         seconds = time.monotonic() - started
         with fsio.open_url(fsio.join(scratch.output, "report.json"), "rb") as f:
             report = json.loads(f.read())
@@ -97,13 +113,29 @@ def _build(p: beam.Pipeline, plan: Plan, ranges: list[ReadRange]) -> None:
         | "SplitRead" >> Demux("spill", "counts", "dedup", "samples")
     )
     counts = [read["counts"]]
+    samples = [read["samples"]]
     if cfg.quality.dedup.enabled:
-        _, dedup_counts = _deduplicate(plan, read["dedup"])
+        drops, dedup_counts = _deduplicate(plan, read["dedup"])
         counts.append(dedup_counts)
-    # (samples of filtered and contaminated documents; the job's samples of duplicates are
-    # decoded where instances are made, which a report does not reach)
+        # the job takes the duplicates out of the read stage's counts (documents, sentences,
+        # tokens, per split) and decodes their samples where it makes instances: the same
+        # step, which makes no instance in a report (``Plan.report_only``)
+        first = cfg.phases[0].name
+        checked = (
+            (read["spill"], drops)
+            | "WithDrops" >> beam.Flatten()
+            | "GroupByBucket" >> beam.GroupByKey()
+            | "TakeOutDuplicates" >> beam.ParDo(CreateInstancesFn(plan))
+            | "SplitTakenOut" >> Demux("stats", "samples")
+        )
+        counts.append(
+            checked["stats"]
+            | "OnePhase" >> beam.FlatMap(lambda v: [v[1][1]] if v[0] == first else [])
+        )
+        samples.append(checked["samples"])
     written = (
-        read["samples"]
+        samples
+        | "AllSamples" >> beam.Flatten()
         | "GroupByReason" >> beam.GroupByKey()
         | "WriteSamples" >> beam.ParDo(WriteSamplesFn(cfg.output, cfg.quality.samples))
     )

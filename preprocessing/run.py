@@ -29,12 +29,16 @@ from bertpipe.preprocessing.dask_watch import wait_until_finish
 from bertpipe.preprocessing.dedup import quality_folder
 from bertpipe.preprocessing.evalsets import eval_files, eval_texts
 from bertpipe.preprocessing.job_output import (
+    LoggedFnApiRunner,
     OutputExistsError,
+    beam_logs_to,
     check_output,
     check_writable,
     job_identity,
     remove_scratch,
     start_output,
+    worker_failure,
+    worker_log_path,
     workers_stopped,
 )
 from bertpipe.preprocessing.pipeline import (
@@ -45,13 +49,19 @@ from bertpipe.preprocessing.pipeline import (
 )
 from bertpipe.preprocessing.quality import build_eval_index
 from bertpipe.preprocessing.ranges import ReadRange, plan_ranges
-from bertpipe.preprocessing.readers import InputGoneError, read_documents
+from bertpipe.preprocessing.readers import (
+    EXTENSIONS,
+    InputConfig,
+    read_documents,
+    split_extension,
+)
 from bertpipe.preprocessing.tokenizer import (
     SpecialTokens,
     TokenizerMismatchError,
     build_from_vocab,
     load_tokenizer,
     read_vocab_txt,
+    sample_statistics,
     save_tokenizer,
     tokenizer_checksum,
     train_wordpiece,
@@ -86,6 +96,8 @@ def train_tokenizer(cfg: TokenizerConfig) -> dict[str, Any]:
         )
     cfg.check_runnable()
     files = fsio.expand_urls(cfg.input.paths) if cfg.input.paths else []
+    if not cfg.vocab_file:
+        check_input_format(files, cfg.input)
     with tracking.start_run(
         cfg.tracking, "tokenizer", config=cfg, run_name=cfg.tracking.run_name or "tokenizer"
     ) as run:
@@ -131,6 +143,10 @@ def _train_tokenizer(cfg: TokenizerConfig, files: list[str]) -> dict[str, Any]:
             special_tokens=cfg.special_tokens,
             counts=counts,
         )
+        if not counts["documents_sampled"]:
+            raise NoTrainingDataError(_nothing_sampled(cfg, files, counts))
+        if tokenizer.get_vocab_size() < cfg.vocab_size:
+            _warn_small_vocabulary(cfg, tokenizer.get_vocab_size(), sample, counts)
     save_tokenizer(tokenizer, cfg.output, lowercase=cfg.lowercase)
     summary = {
         "vocab_size": tokenizer.get_vocab_size(),
@@ -140,6 +156,99 @@ def _train_tokenizer(cfg: TokenizerConfig, files: list[str]) -> dict[str, Any]:
     }
     log.info("tokenizer written to %s: %s", cfg.output, json.dumps(summary))
     return summary
+
+
+def check_input_format(files: Sequence[str], cfg: InputConfig) -> None:
+    """One line (exit 2) before anything is read when no input file has an extension that
+    ``input.format`` reads: every file would be skipped, and the run would learn or make
+    nothing."""
+    if not files:
+        return
+    found = Counter(split_extension(url)[0] for url in files)
+    readable = EXTENSIONS[cfg.format]
+    if any(ext in readable for ext in found):
+        return
+    fits = sorted({fmt for fmt, known in EXTENSIONS.items() for ext in found if ext in known})
+    fix = (
+        "set " + " or ".join(f"input.format={fmt}" for fmt in fits)
+        if fits
+        else f"give files ending in {', '.join(readable)} (compressed or not)"
+    )
+    kinds = ", ".join(f"{n} {ext or '(no extension)'}" for ext, n in sorted(found.items()))
+    raise ConfigError(
+        "input.format",
+        f"is {cfg.format}, which reads {', '.join(readable)} files, and none of the "
+        f"{len(files)} file(s) matching input.paths={list(cfg.paths)} is one ({kinds}): every "
+        f"file would be skipped; {fix} (nothing was read or written)",
+    )
+
+
+def _nothing_sampled(cfg: TokenizerConfig, files: Sequence[str], counts: Counter[str]) -> str:
+    """One line: no document reached the trainer, why, and what to do."""
+    skipped = ", ".join(
+        f"{k}={v}"
+        for k, v in sorted(counts.items())
+        if v and k.startswith(("files_skipped", "files_failed", "records_", "documents_empty"))
+    )
+    fraction = (
+        f", or raise sample_fraction (={cfg.sample_fraction}: no document was drawn)"
+        if cfg.sample_fraction < 1.0 and counts.get("files_read")
+        else ""
+    )
+    fields = (
+        f" and input.text_field={cfg.input.text_field}"
+        if cfg.input.format
+        in (
+            "jsonl",
+            "parquet",
+        )
+        else ""
+    )
+    return (
+        f"no document to train the vocabulary on in the {len(files)} file(s) matching "
+        f"input.paths={list(cfg.input.paths)}: {counts.get('files_read', 0)} file(s) read "
+        f"({skipped or 'nothing skipped'}, see the warnings above); check input.paths and "
+        f"input.format={cfg.input.format}{fields}{fraction}; nothing was written to {cfg.output}"
+    )
+
+
+def _warn_small_vocabulary(
+    cfg: TokenizerConfig, size: int, sample: Any, counts: Counter[str]
+) -> None:
+    """One warning line when the vocabulary came out smaller than ``vocab_size``: what the
+    sample holds (read once more: a sample this small is quick to read) and what to change."""
+    words, characters = sample_statistics(
+        sample(), lowercase=cfg.lowercase, strip_accents=cfg.strip_accents
+    )
+    frequent = sum(1 for n in words.values() if n >= cfg.min_frequency)
+    capped = [
+        f"{key}={value}"
+        for key, value in (("max_documents", cfg.max_documents), ("max_mb", cfg.max_mb))
+        if value is not None
+    ]
+    drawn = f"sample_fraction={cfg.sample_fraction} of the documents" + "".join(
+        f", {c}" for c in capped
+    )
+    raise_it = (
+        f"raise {' / '.join(['sample_fraction'] * (cfg.sample_fraction < 1.0) + capped)}"
+        if cfg.sample_fraction < 1.0 or capped
+        else "give more text"
+    )
+    log.warning(
+        "tokenizer: the vocabulary has %d tokens, fewer than vocab_size=%d: it learned from %s "
+        "(%d document(s)), which hold %d distinct words (%d of them seen min_frequency=%d "
+        "times or more) and %d distinct characters; %s, lower min_frequency, or ask for a "
+        "smaller vocab_size",
+        size,
+        cfg.vocab_size,
+        drawn,
+        counts["documents_sampled"],
+        len(words),
+        frequent,
+        cfg.min_frequency,
+        len(characters),
+        raise_it,
+    )
 
 
 def _sample_sentences(cfg: TokenizerConfig, files: list[str], counts: Counter[str]):  # type: ignore[no-untyped-def]
@@ -174,6 +283,7 @@ def prepare(cfg: PreprocessConfig) -> tuple[Plan, list[ReadRange]]:
     work is done."""
     cfg.check_runnable()
     files = fsio.expand_urls(cfg.input.paths)
+    check_input_format(files, cfg.input)
     ranges = plan_ranges(files, cfg.input, int(cfg.split_mb * 1e6))
     try:
         tokenizer = load_tokenizer(cfg.tokenizer, lowercase=cfg.lowercase)
@@ -252,7 +362,8 @@ def make_pipeline(beam_args: Sequence[str], tasks: int = 1, text_bytes: int = 0)
     so the local default is the FnApiRunner it would fall back to. Without running-mode
     flags it runs one worker process per core, up to ``tasks`` (the read ranges) and one per
     :data:`MB_PER_WORKER` of text (starting a worker costs seconds), in ``multi_processing``
-    mode; ``--direct_num_workers=1`` keeps everything in this process.
+    mode; ``--direct_num_workers=1`` keeps everything in this process. The worker processes'
+    output can be sent to a log file (:func:`~.job_output.beam_logs_to`).
     ``--runner=DaskRunner`` is accepted as a short name for Beam's Dask runner, whose
     ``Create`` defaults to one element per partition here (Beam's default of 128 puts a
     whole small job in one partition, i.e. on one worker).
@@ -270,8 +381,6 @@ def make_pipeline(beam_args: Sequence[str], tasks: int = 1, text_bytes: int = 0)
     options = PipelineOptions(args)
     standard = options.view_as(StandardOptions)
     if standard.runner in (None, "DirectRunner", "direct", "FnApiRunner"):
-        from apache_beam.runners.portability.fn_api_runner import FnApiRunner
-
         direct = options.view_as(DirectOptions)
         given = any(a.startswith(("--direct_num_workers", "--direct_running_mode")) for a in args)
         if not given:
@@ -285,7 +394,7 @@ def make_pipeline(beam_args: Sequence[str], tasks: int = 1, text_bytes: int = 0)
             direct.direct_running_mode,
             direct.direct_num_workers or local_cores(),
         )
-        return beam.Pipeline(runner=FnApiRunner(), options=options)
+        return beam.Pipeline(runner=LoggedFnApiRunner(), options=options)
     if standard.runner == "DaskRunner":
         standard.runner = "apache_beam.runners.dask.dask_runner.DaskRunner"
         if not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args):
@@ -396,14 +505,20 @@ def _run_pipeline(
     started = time.monotonic()
     pipeline = make_pipeline(beam_args, len(ranges), text_bytes)
     build_pipeline(pipeline, plan, ranges)
-    with PreprocessProgress(plan, ranges), _worker_threads(pipeline), workers_stopped():
+    worker_log = worker_log_path(cfg.output)
+    with (
+        PreprocessProgress(plan, ranges),
+        _worker_threads(pipeline),
+        beam_logs_to(pipeline, worker_log),
+        workers_stopped(),
+    ):
         try:
             wait_until_finish(pipeline.run(), cfg.stall_timeout_s)
+        except BertpipeError:  # the driver's own (a stalled cluster)
+            raise
         except Exception as exc:  # a worker's error, as the runner carried it back
-            gone = _worker_error(exc, InputGoneError)
-            if gone is None:
-                raise
-            raise InputGoneError(gone) from None
+            raise worker_failure(exc, worker_log) from exc
+    _worker_warnings(worker_log)
     seconds = time.monotonic() - started
     _forget_listings(cfg.output)  # the workers wrote there: other processes, other clients
     manifests = {}
@@ -436,20 +551,26 @@ def _run_pipeline(
     return manifests, seconds
 
 
-def _worker_error(exc: BaseException, kind: type[BaseException]) -> str | None:
-    """The message of a ``kind`` error raised in a worker, found in ``exc`` (the runner
-    re-raises it, wraps it, or carries its traceback as text), or None."""
-    seen: BaseException | None = exc
-    for _ in range(10):
-        if seen is None:
-            break
-        if isinstance(seen, kind):
-            return str(seen)
-        found = re.search(rf"{kind.__name__}: ([^\n]+)", str(seen))
-        if found:
-            return found.group(1).strip().strip("'\"")
-        seen = seen.__cause__ or seen.__context__
-    return None
+_WORKER_WARNING = re.compile(r"^WARNING:(bertpipe[\w.]*):(.*)$", re.MULTILINE)
+
+
+def _worker_warnings(worker_log: Any) -> None:
+    """One line for the warnings bertpipe logged in the worker processes (a skipped file, a
+    file read only partly): they went to the workers' log, not the console."""
+    if worker_log is None:
+        return
+    try:
+        text = worker_log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return
+    found = _WORKER_WARNING.findall(text)
+    if found:
+        log.warning(
+            "preprocess: %d warning(s) in the worker processes, the first: %s; all in %s",
+            len(found),
+            found[0][1].strip(),
+            worker_log,
+        )
 
 
 def _forget_listings(url: str) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "TokenizerMismatchError",
     "build_from_vocab",
     "load_tokenizer",
+    "sample_statistics",
     "save_tokenizer",
     "tokenizer_checksum",
     "train_wordpiece",
@@ -215,6 +216,22 @@ def _alphabet(tokenizer: Tokenizer, texts: Iterable[str], limit: int) -> list[st
         counts.pop(space, None)
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     return sorted(c for c, _ in ranked[:limit] if not c.isspace())
+
+
+def sample_statistics(
+    texts: Iterable[str], *, lowercase: bool = True, strip_accents: bool | None = None
+) -> tuple[Counter[str], set[str]]:
+    """The words of ``texts`` as the trainer sees them (BERT's normaliser, then its
+    pre-tokeniser: white space and punctuation split, a CJK ideograph is a word of its own)
+    with their counts, and the distinct characters among them: what a vocabulary learned
+    from ``texts`` is made of."""
+    probe = _configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase, strip_accents)
+    normalizer, pre_tokenizer = probe.normalizer, probe.pre_tokenizer
+    words: Counter[str] = Counter()
+    for batch in batched(texts, 4096):
+        text = normalizer.normalize_str("\n".join(batch)) if normalizer else "\n".join(batch)
+        words.update(word for word, _ in pre_tokenizer.pre_tokenize_str(text))
+    return words, {c for word in words for c in word}
 
 
 def build_from_vocab(

@@ -8,6 +8,7 @@ config), so an uninterrupted run's bytes are already there to compare with.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 
 from bertpipe.preprocessing import run as preprocess_run
 from tests.cli_runner import run_cli
-from tests.faultenv import FAULT_PREPROCESS_TERM, child_pythonpath
+from tests.faultenv import FAULT_PREPROCESS_HOLD, FAULT_PREPROCESS_TERM, child_pythonpath
 
 pytestmark = pytest.mark.integration
 
@@ -158,10 +159,102 @@ def test_an_input_file_deleted_under_the_job_fails_it_in_one_line(
         _args(corpus, tokenizer_dir, tmp_path / "partial", "input.allow_partial=true")
     )
     assert partial.returncode == 0, partial.stderr[-3000:]
-    import json
-
     manifest = json.loads((tmp_path / "partial" / "seq64" / "manifest.json").read_text())
     assert manifest["stats"]["corpus"]["files_failed"] == 1
+
+
+def test_an_input_deleted_with_two_worker_processes_is_one_line_and_a_log(
+    corpus_dir: Path, tokenizer_dir: Path, pretrain_shards: Path, tmp_path: Path
+) -> None:
+    """Two Beam worker processes hold before their first read range; the test deletes an
+    input file (unlinked for real), then lets them go. The console has at most 5 lines, the
+    last the error naming the file and the log; the log (beside the output, not in it) has
+    the workers' tracebacks. The same command, the file back, continues the job to the
+    uninterrupted run's bytes."""
+    corpus = tmp_path / "corpus"
+    shutil.copytree(corpus_dir, corpus)
+    victim = sorted(corpus.iterdir())[1]
+    kept = victim.read_bytes()
+    out = tmp_path / "out"
+    hold = tmp_path / "hold"
+    hold.touch()
+    args = _args(corpus, tokenizer_dir, out)
+    beam = ["--", "--direct_num_workers=2", "--direct_running_mode=multi_processing"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": child_pythonpath(REPO),
+        FAULT_PREPROCESS_HOLD: f"ReadTokenize:{hold}",
+        "BERTPIPE_FAULT_STALL_S": "120",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    job = subprocess.Popen(
+        [sys.executable, "-m", "bertpipe.app.cli", *args, *beam],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    held = hold.with_name("hold.held")
+    deadline = time.monotonic() + 120
+    while not held.exists() and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim.unlink()  # a worker holds its first range: nothing has been read yet
+    hold.unlink()
+    _, err = job.communicate(timeout=180)
+    lines = err.strip().splitlines()
+    assert job.returncode == 75, err[-3000:]
+    assert len(lines) <= 5, err[-3000:]
+    log_file = tmp_path / "logs" / "out-preprocess.log"
+    assert lines[-1] == (
+        f"bertpipe: error: {victim} was listed when the job was planned and cannot be read now "
+        f"(FileNotFoundError: [Errno 2] No such file or directory: '{victim}'): the storage may "
+        "be unavailable; rerun the same command (it continues the job), or set "
+        "input.allow_partial=true to go on without it; the workers' tracebacks are in "
+        f"{log_file}"
+    )
+    logged = log_file.read_text()
+    assert "Traceback (most recent call last)" in logged and "InputGoneError" in logged
+    assert not list(out.rglob("*.log"))
+
+    victim.write_bytes(kept)
+    again = run_cli(args, {**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "continuing the stopped job" in again.stderr
+    for phase in ("seq64", "seq128"):
+        shards, reference = _files(out / phase), _files(pretrain_shards / phase)
+        manifest, expected = (json.loads(f.pop("manifest.json")) for f in (shards, reference))
+        assert shards == reference, phase
+        assert (manifest["splits"], manifest["stats"]) == (expected["splits"], expected["stats"])
+
+
+def test_a_worker_failing_for_another_reason_is_one_line_naming_the_log(
+    corpus_dir: Path, tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizer folder emptied after the plan checked it: the worker's setup fails with
+    an error that is not bertpipe's; one line with its cause and the log, exit 1."""
+    tokenizer = tmp_path / "tokenizer"
+    shutil.copytree(tokenizer_dir, tokenizer)
+    real = preprocess_run.prepare
+
+    def planned_then_removed(cfg):  # type: ignore[no-untyped-def]
+        planned = real(cfg)
+        for path in tokenizer.iterdir():
+            path.unlink()
+        return planned
+
+    monkeypatch.setattr(preprocess_run, "prepare", planned_then_removed)
+    out = tmp_path / "out"
+    failed = run_cli(_args(corpus_dir, tokenizer, out))
+    lines = [x for x in failed.stderr.splitlines() if x.startswith("bertpipe: error:")]
+    assert failed.returncode == 1 and len(lines) == 1, failed.stderr[-3000:]
+    assert lines[0] == (
+        f"bertpipe: error: a preprocessing worker failed: FileNotFoundError: tokenizer "
+        f"{tokenizer} holds neither tokenizer.json nor vocab.txt: run `bertpipe tokenizer "
+        "train` or point at a vocab.txt; the workers' tracebacks are in "
+        f"{tmp_path / 'logs' / 'out-preprocess.log'}"
+    )
+    assert "Traceback" not in failed.stderr
+    assert "Traceback" in (tmp_path / "logs" / "out-preprocess.log").read_text()
 
 
 @contextlib.contextmanager

@@ -280,6 +280,7 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["counts"] == corpus  # kept documents, sentences, tokens, splits: all
     assert report["removed"] == {k[8:]: v for k, v in corpus.items() if k.startswith("removed_")}
     assert report["contaminated_by"] == {"made-up/dev": len(contaminated)}
     sampled = (tmp_path / "a" / "quality-report" / "contaminated.jsonl").read_text()
@@ -318,3 +319,54 @@ def test_planted_removals_counts_samples_and_the_same_bytes_on_every_runner(
         with contextlib.suppress(ValueError):
             distributed.default_client().close()
     assert output_digests(tmp_path / "c") == reference
+
+
+@pytest.mark.integration
+def test_dry_run_counts_equal_the_jobs_manifest_with_planted_duplicates(
+    tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    """A small corpus with planted exact and near copies, and two exact copies of a
+    one-sentence document: ``--dry-run-quality`` reports every count of the job's manifest
+    (documents kept, per split, sentences, tokens, removals by reason). The one-sentence
+    copies are too short before they are duplicates (docs/corpus-quality.md, "Order"): both
+    counted as ``documents_too_short``, neither as a duplicate."""
+    corpus = tmp_path / "corpus"
+    truth = write_planted_corpus(corpus, 0.3, files=2, seed=5, exact=0.3, near=0.3, below=0.0)
+    assert len(truth["exact"]) >= 4 and len(truth["near"]) >= 4
+    lone = "A document of one sentence that appears twice in the corpus."
+    (corpus / "part-00002.txt").write_text(f"{lone}\n\n{lone}\n\nAnother lone sentence.\n")
+    common = [
+        f"input.paths=[{corpus}]",
+        f"tokenizer={tokenizer_dir}",
+        "phases=[{name: seq64, max_seq_length: 64, max_predictions_per_seq: 10, num_shards: 2}]",
+        "heldout_fraction=0.2",
+        "quality.dedup.exact=true",
+        "quality.dedup.near=true",
+        "quality.samples=1000",
+        "tracking.enabled=false",
+    ]
+    job = run_cli(["preprocess", f"output={tmp_path / 'job'}", *common])
+    assert job.returncode == 0, job.stderr[-3000:]
+    manifest = json.loads((tmp_path / "job" / "seq64" / "manifest.json").read_text())
+    corpus_counts = manifest["stats"]["corpus"]
+    report_run = run_cli(
+        ["preprocess", "--dry-run-quality", f"output={tmp_path / 'report'}", *common]
+    )
+    assert report_run.returncode == 0, report_run.stderr[-3000:]
+    report = json.loads(report_run.stdout.strip().splitlines()[-1])
+    assert report["counts"] == corpus_counts
+    assert corpus_counts["documents_too_short"] == 3  # the three one-sentence documents
+    assert corpus_counts["removed_exact_duplicate"] >= len(truth["exact"])
+    assert corpus_counts["removed_near_duplicate"] > 0
+    assert corpus_counts["heldout_documents"] > 0
+    kept = corpus_counts["train_documents"] + corpus_counts["heldout_documents"]
+    assert corpus_counts["documents_kept"] == kept
+    removed = sum(v for k, v in corpus_counts.items() if k.startswith("removed_"))
+    assert kept == corpus_counts["documents_read"] - corpus_counts["documents_too_short"] - removed
+    # the report's review samples are the job's, duplicates included (decoded the same way)
+    for reason in ("exact_duplicate", "near_duplicate"):
+        job_samples = (tmp_path / "job" / "quality" / f"{reason}.jsonl").read_text()
+        assert (tmp_path / "report" / "quality-report" / f"{reason}.jsonl").read_text() == (
+            job_samples
+        )
+    assert not any(lone in line for line in job_samples.splitlines())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,97 @@ def test_a_sample_of_a_big_corpus_is_chosen_before_splitting_and_capped(
     assert len(split_calls) == len(chosen)  # the others were never split
     capped = sample(max_mb=0.002)  # 2,000 characters
     assert 2000 <= sum(len(s) + 1 for s in capped) < 2000 + 60
+
+
+def _jsonl_corpus(folder: Path, files: int = 2) -> Path:
+    import json
+
+    folder.mkdir()
+    docs = synthetic_documents(80, seed=5)
+    for i in range(files):
+        lines = [json.dumps({"text": " ".join(d)}) for d in docs[i::files]]
+        (folder / f"part-{i}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_corpus_whose_files_are_all_skipped_is_one_line_exit_2_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """``.jsonl`` files read as the default ``sentences`` format (the shipped config's):
+    refused before anything is read, with the fix; files that are read but give no document
+    (the text under another field): refused after reading. Neither touches the tokenizer
+    already in ``output`` (``--overwrite`` given)."""
+    from tests.cli_runner import run_cli
+
+    corpus = _jsonl_corpus(tmp_path / "corpus")
+    out = tmp_path / "tok"
+    base = ["tokenizer", "train", f"input.paths=[{corpus}]", f"output={out}"]
+    base += ["vocab_size=300", "tracking.enabled=false"]
+    assert run_cli([*base, "input.format=jsonl"]).returncode == 0
+    before = _folder_bytes(out)
+
+    skipped = run_cli([*base, "--overwrite"])
+    assert skipped.returncode == 2
+    assert skipped.stderr.splitlines() == [
+        "bertpipe: error: config key 'input.format': is sentences, which reads .txt, .text "
+        f"files, and none of the 2 file(s) matching input.paths=['{corpus}'] is one (2 .jsonl): "
+        "every file would be skipped; set input.format=jsonl (nothing was read or written)"
+    ]
+    assert _folder_bytes(out) == before
+
+    nothing = run_cli([*base, "input.format=jsonl", "input.text_field=body", "--overwrite"])
+    assert nothing.returncode == 2, nothing.stderr[-2000:]
+    errors = [x for x in nothing.stderr.splitlines() if x.startswith("bertpipe: error:")]
+    assert errors == [
+        "bertpipe: error: no document to train the vocabulary on in the 2 file(s) matching "
+        f"input.paths=['{corpus}']: 2 file(s) read (records_malformed=80, see the warnings "
+        "above); check input.paths and input.format=jsonl and input.text_field=body; nothing "
+        f"was written to {out}"
+    ]
+    assert nothing.stderr.splitlines()[-1] == errors[0]
+    assert _folder_bytes(out) == before
+
+
+def test_a_vocabulary_smaller_than_asked_says_why_in_one_warning(tmp_path: Path) -> None:
+    """vocab_size beyond what half the documents hold: exit 0, the smaller vocabulary, and
+    one warning naming the sample, its distinct words and characters and what to change."""
+    from tests.cli_runner import run_cli
+
+    corpus = _jsonl_corpus(tmp_path / "corpus")
+    out = tmp_path / "tok"
+    done = run_cli(
+        [
+            "tokenizer",
+            "train",
+            f"input.paths=[{corpus}]",
+            "input.format=jsonl",
+            f"output={out}",
+            "vocab_size=5000",
+            "sample_fraction=0.5",
+            "tracking.enabled=false",
+        ]
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    size = len((out / "vocab.txt").read_text().splitlines())
+    assert size < 5000
+    warnings = [x for x in done.stderr.splitlines() if " WARNING " in x]
+    assert len(warnings) == 1, done.stderr
+    sampled = json.loads(done.stdout.strip().splitlines()[-1])["documents_sampled"]
+    assert 20 < sampled < 60
+    assert (
+        warnings[0]
+        .split(": ", 1)[1]
+        .startswith(
+            f"tokenizer: the vocabulary has {size} tokens, fewer than vocab_size=5000: it learned "
+            f"from sample_fraction=0.5 of the documents ({sampled} document(s)), which hold "
+        )
+    )
+    assert warnings[0].endswith(
+        "; raise sample_fraction, lower min_frequency, or ask for a smaller vocab_size"
+    )
+    assert re.search(r"hold \d+ distinct words \(\d+ of them seen min_frequency=2 ", warnings[0])
+    assert re.search(r" and \d+ distinct characters;", warnings[0])
