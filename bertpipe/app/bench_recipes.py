@@ -32,11 +32,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bertpipe.errors import BertpipeError
+
 log = logging.getLogger(__name__)
 
-__all__ = ["add_arguments", "run_bench"]
+__all__ = ["add_arguments", "check_sizes", "log_every", "run_bench", "step_seconds"]
 
 RECIPES = ("paper", "modern")
+HELDOUT_FRACTION = 0.02
+"""Share of the corpus's documents both recipes hold out (chosen by a stable hash)."""
+HELDOUT_BATCH = 8
+"""Held-out instances per batch of the accuracy measurement."""
+MIN_DOCUMENTS = 400
+"""The smallest ``--documents``: 2% held out is about 8 documents, which give each recipe's
+held-out split the batch of 8 instances its accuracy is measured on (60 documents held
+none out, and the bench failed only after its first pre-training run)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,9 +65,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-downstream", action="store_true", help="skip the suite")
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """One line (exit 2) before any work for sizes the bench cannot run at."""
+    problems = []
+    if args.documents is not None and args.documents < MIN_DOCUMENTS:
+        problems.append(
+            f"--documents {args.documents} is too few: at least {MIN_DOCUMENTS} (or all, the "
+            f"default), so that the {HELDOUT_FRACTION:.0%} held out give each recipe a batch of "
+            "held-out instances"
+        )
+    if args.steps < 2:
+        problems.append(f"--steps {args.steps} is too few: at least 2 (a step time needs two)")
+    for name in ("batch", "epochs"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name} must be at least 1")
+    for name in ("seeds", "finetune_seeds"):
+        try:
+            [int(s) for s in str(getattr(args, name)).split(",")]
+        except ValueError:
+            problems.append(f"--{name.replace('_', '-')} must be integers separated by commas")
+    if problems:
+        raise BertpipeError("bench recipes: " + "; ".join(problems) + " (nothing was run)")
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import os
 
+    check_sizes(args)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -65,8 +99,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     common = [f"tracking.uri={uri}", "tracking.experiment=bench-recipes"]
     seeds = [int(s) for s in str(args.seeds).split(",")]
     _data(out, args, common)
+    _check_heldout(out, args)
     mean_tokens = {r: _mean_tokens(out / f"shards-{r}" / f"seq{args.seq_len}") for r in RECIPES}
-    modern_steps = round(args.steps * mean_tokens["paper"] / mean_tokens["modern"])
+    # (at least 2: a run's step time is measured between two logged losses)
+    modern_steps = max(2, round(args.steps * mean_tokens["paper"] / mean_tokens["modern"]))
     runs: dict[str, list[dict[str, Any]]] = {"paper": [], "modern": []}
     for seed in seeds:
         runs["paper"].append(_pretrain(out, args, common, "paper", seed, args.steps, "tokens"))
@@ -75,7 +111,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     conditions = {"tokens": runs}
     if not args.no_wall_time:
         paper_wall = statistics.median(x["wall_s"] for x in runs["paper"])
-        timed_steps = max(1, round(paper_wall / step_s["modern"]))
+        timed_steps = max(2, round(paper_wall / step_s["modern"]))
         conditions["wall"] = {
             "paper": runs["paper"],
             "modern": [
@@ -145,13 +181,26 @@ def _data(out: Path, args: argparse.Namespace, common: list[str]) -> None:
                 prob,
                 "masking.mode=none",  # dynamic masking for both: a small corpus, many epochs
                 "dupe_factor=5",
-                "heldout_fraction=0.02",
+                f"heldout_fraction={HELDOUT_FRACTION}",
                 "overwrite=true",
                 f"tracking.run_name=recipes-preprocess-{name}",
                 *common,
             ],
         )
         run_preprocess(cfg)
+
+
+def _check_heldout(out: Path, args: argparse.Namespace) -> None:
+    """Each recipe's held-out split holds a batch (one line, exit 2, before any training)."""
+    for recipe in RECIPES:
+        manifest = out / f"shards-{recipe}" / f"seq{args.seq_len}" / "manifest.json"
+        held = json.loads(manifest.read_text())["splits"]["heldout"]["instances"]
+        if held < HELDOUT_BATCH:
+            raise BertpipeError(
+                f"bench recipes: the {recipe} recipe's held-out split ({manifest}) has {held} "
+                f"instance(s), fewer than the batch of {HELDOUT_BATCH} its accuracy is measured "
+                "on: give more --documents"
+            )
 
 
 def _mean_tokens(phase: Path) -> float:
@@ -221,7 +270,7 @@ def _pretrain(
             "checkpoint.every_steps=0",
             "checkpoint.keep_last=1",
             "checkpoint.resume=none",
-            "log_every_steps=10",
+            f"log_every_steps={log_every(steps)}",
             f"tracking.run_name=recipes-{name}",
             *common,
         ],
@@ -255,6 +304,13 @@ def uri_of(common: list[str]) -> str:
     return next(item.split("=", 1)[1] for item in common if item.startswith("tracking.uri="))
 
 
+def log_every(steps: int) -> int:
+    """Every how many steps a run logs its loss: 10, fewer for short runs, so that a run of
+    2 steps or more logs twice (its step time is measured between the first and the last;
+    with 10 a run of 10 steps logged once and timed 0 s per step, a ZeroDivisionError)."""
+    return max(1, min(10, steps // 20))
+
+
 def _step_seconds(cfg: Any, uri: str) -> float:
     """Seconds per optimizer step of the run, from the times its loss was logged (every
     ``log_every_steps``): the training alone, not the process's start-up, the engine's
@@ -265,11 +321,20 @@ def _step_seconds(cfg: Any, uri: str) -> float:
 
     state, _ = ckpt.read_state(cfg.checkpoint_dir, ckpt.latest_tag(cfg.checkpoint_dir), 0)
     client = mlflow.MlflowClient(tracking_uri=uri)
-    history = sorted(
-        (m.step, m.timestamp) for m in client.get_metric_history(state.mlflow_run_id, "train/loss")
-    )
-    (first, t0), (last, t1) = history[0], history[-1]
-    return (t1 - t0) / 1000 / max(last - first, 1)
+    history = client.get_metric_history(state.mlflow_run_id, "train/loss")
+    return step_seconds([(m.step, m.timestamp) for m in history], cfg.output)
+
+
+def step_seconds(history: list[tuple[int, int]], run: str) -> float:
+    """Seconds per step between the first and the last ``(step, timestamp in ms)`` logged."""
+    points = sorted(history)
+    if len(points) < 2 or points[-1][0] == points[0][0] or points[-1][1] <= points[0][1]:
+        raise RuntimeError(
+            f"{run}: cannot time its steps from {len(points)} logged loss(es) {points}: a step "
+            "time needs two at different steps and times"
+        )
+    (first, t0), (last, t1) = points[0], points[-1]
+    return (t1 - t0) / 1000 / (last - first)
 
 
 def _heldout_accuracy(checkpoints: Path, phase: Path) -> float:
@@ -283,7 +348,12 @@ def _heldout_accuracy(checkpoints: Path, phase: Path) -> float:
     from bertpipe.training.step import BatchPrep
 
     model, _ = load_checkpoint_model(str(checkpoints))
-    spec = PhaseSpec(name="heldout", data=str(phase), micro_batch_size=8, global_batch_size=8)
+    spec = PhaseSpec(
+        name="heldout",
+        data=str(phase),
+        micro_batch_size=HELDOUT_BATCH,
+        global_batch_size=HELDOUT_BATCH,
+    )
     loader = build_pretraining_data(
         spec, DataConfig(num_workers=0), rank=0, world_size=1, seed=0, evaluation=EvalConfig(0, 0)
     )
