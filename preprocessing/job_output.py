@@ -27,6 +27,7 @@ that log, which holds the workers' tracebacks.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
 import json
@@ -324,12 +325,14 @@ class LoggedFnApiRunner(FnApiRunner):
 
 
 @contextlib.contextmanager
-def beam_logs_to(pipeline: Any, path: Path | None) -> Iterator[None]:
+def beam_logs_to(pipeline: Any, path: Path | None) -> Iterator[list[str]]:
     """For the block, Beam's logging in this process (the in-process workers' errors, the
     worker processes' log entries the runner relays) goes to ``path`` instead of the
-    console, and so does the output of the direct runner's worker processes."""
+    console, and so does the output of the direct runner's worker processes. Yields the
+    list that collects the warnings bertpipe's own code logged in worker processes (a
+    skipped file), which the console would otherwise not see."""
     if path is None:
-        yield
+        yield []
         return
     runner = getattr(pipeline, "runner", None)
     if isinstance(runner, LoggedFnApiRunner):
@@ -337,15 +340,51 @@ def beam_logs_to(pipeline: Any, path: Path | None) -> Iterator[None]:
     handler = logging.FileHandler(path, mode="a", encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     beam = logging.getLogger("apache_beam")
+    relay = logging.getLogger("apache_beam.runners.portability.local_job_service")
+    warnings = _WorkerWarnings()
     propagate = beam.propagate
     beam.addHandler(handler)
+    relay.addHandler(warnings)
     beam.propagate = False
     try:
-        yield
+        yield warnings.messages
     finally:
         beam.removeHandler(handler)
+        relay.removeHandler(warnings)
         beam.propagate = propagate
         handler.close()
+
+
+class _WorkerWarnings(logging.Handler):
+    """Collects the warnings logged by bertpipe's code in the direct runner's worker
+    processes, from the log entries the runner relays (``Worker: <LogEntry as text>``)."""
+
+    _SEVERITY = re.compile(r"\bseverity: WARN\b")
+    _FIELD = r'\b{}: "((?:[^"\\]|\\.)*)"'
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        import bertpipe
+        import bertpipe.preprocessing
+
+        # where bertpipe's modules are (the workers run the same installation)
+        packages = (bertpipe, bertpipe.preprocessing)
+        self._roots = tuple({str(Path(str(m.__file__)).parent) + os.sep for m in packages})
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if not self._SEVERITY.search(text):
+            return
+        where = re.search(self._FIELD.format("log_location"), text)
+        message = re.search(self._FIELD.format("message"), text)
+        if where and message and _unescape(where.group(1)).startswith(self._roots):
+            self.messages.append(_unescape(message.group(1)))
+
+
+def _unescape(text: str) -> str:
+    """A string of protobuf's text format (C escapes, UTF-8 bytes as octal) as text."""
+    return codecs.escape_decode(text.encode("utf-8"))[0].decode("utf-8", "replace")
 
 
 _KNOWN = (InputGoneError, TokenizerMismatchError, TaskFailedError)

@@ -509,7 +509,7 @@ def _run_pipeline(
     with (
         PreprocessProgress(plan, ranges),
         _worker_threads(pipeline),
-        beam_logs_to(pipeline, worker_log),
+        beam_logs_to(pipeline, worker_log) as worker_warnings,
         workers_stopped(),
     ):
         try:
@@ -518,7 +518,13 @@ def _run_pipeline(
             raise
         except Exception as exc:  # a worker's error, as the runner carried it back
             raise worker_failure(exc, worker_log) from exc
-    _worker_warnings(worker_log)
+    if worker_warnings:  # they went to the workers' log, not the console
+        log.warning(
+            "preprocess: %d warning(s) in the worker processes, the first: %s; all in %s",
+            len(worker_warnings),
+            worker_warnings[0],
+            worker_log,
+        )
     seconds = time.monotonic() - started
     _forget_listings(cfg.output)  # the workers wrote there: other processes, other clients
     manifests = {}
@@ -549,28 +555,6 @@ def _run_pipeline(
         files = sorted({r.url for r in ranges})
         raise NoTrainingDataError(_no_training_data(cfg, files, manifests, empty))
     return manifests, seconds
-
-
-_WORKER_WARNING = re.compile(r"^WARNING:(bertpipe[\w.]*):(.*)$", re.MULTILINE)
-
-
-def _worker_warnings(worker_log: Any) -> None:
-    """One line for the warnings bertpipe logged in the worker processes (a skipped file, a
-    file read only partly): they went to the workers' log, not the console."""
-    if worker_log is None:
-        return
-    try:
-        text = worker_log.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return
-    found = _WORKER_WARNING.findall(text)
-    if found:
-        log.warning(
-            "preprocess: %d warning(s) in the worker processes, the first: %s; all in %s",
-            len(found),
-            found[0][1].strip(),
-            worker_log,
-        )
 
 
 def _forget_listings(url: str) -> None:

@@ -105,7 +105,11 @@ def test_both_phases_with_manifest_stats_and_mlflow(
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
 
 
-def test_bad_input_is_counted_and_inputs_untouched(tokenizer_dir: Path, tmp_path: Path) -> None:
+def test_bad_input_is_counted_and_inputs_untouched(
+    tokenizer_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two worker processes read the messy corpus: every skip is counted; the warnings they
+    logged went to the workers' log, and one line after the job says so."""
     corpus = tmp_path / "messy"
     corpus.mkdir()
     from tests.conftest import synthetic_documents, write_sentence_files
@@ -120,8 +124,14 @@ def test_bad_input_is_counted_and_inputs_untouched(tokenizer_dir: Path, tmp_path
         f.write("y" * 50_000_000 + "\n")
     before = _digest(corpus)
     manifests = run_preprocess(
-        _cfg(corpus, tokenizer_dir, tmp_path / "out", "tracking.enabled=false")
+        _cfg(corpus, tokenizer_dir, tmp_path / "out", "tracking.enabled=false"),
+        ["--direct_running_mode=multi_processing", "--direct_num_workers=2"],
     )
+    worker_log = tmp_path / "logs" / "out-preprocess.log"
+    (summary,) = [r.getMessage() for r in caplog.records if "in the worker processes" in r.msg]
+    assert summary.startswith("preprocess: 4 warning(s) in the worker processes, the first: ")
+    assert summary.endswith(f"; all in {worker_log}")
+    assert worker_log.read_text().count(":skipping ") == 4  # empty, binary, latin-1, .csv
     corpus_stats = manifests["seq64"]["stats"]["corpus"]
     assert corpus_stats["files_skipped_empty"] == 1
     assert corpus_stats["files_skipped_binary"] == 1
