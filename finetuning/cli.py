@@ -40,13 +40,17 @@ def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(FinetuneConfig, args)
     if cfg is None:  # --print-config: the stage's modules (torch) are not imported
         return 0
-    from bertpipe.finetuning.run import run_finetuning
-    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
+    from bertpipe import fsio, tracking
 
     preflight(
         [("init_from", cfg.init_from)] if cfg.init_from else [],
         [("checkpoint.dir", cfg.checkpoint.dir)] if cfg.checkpoint.dir else [],
     )
+    checkpoints = cfg.checkpoint.dir or (cfg.output and fsio.join(cfg.output, "checkpoints"))
+    tracking.check_new_run(cfg.tracking, checkpoints)  # before torch and DeepSpeed
+    from bertpipe.finetuning.run import run_finetuning
+    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
+
     try:
         result = run_finetuning(cfg)
     except PreemptedError:  # saved (and logged); the same command continues the run
@@ -92,9 +96,11 @@ def _sweep(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(FinetuneConfig, args)
     if cfg is None:
         return 0
+    from bertpipe import tracking
     from bertpipe.finetuning.sweep import run_sweep
     from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
+    tracking.check_new_run(cfg.tracking)  # a sweep's run is new: before DeepSpeed starts
     try:
         result = run_sweep(cfg)
     except PreemptedError:  # the trial in progress saved (and logged) its checkpoint

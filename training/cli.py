@@ -61,14 +61,17 @@ def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(PretrainConfig, args)
     if cfg is None:  # --print-config and the like: no torch to import (infra scripts use it)
         return 0
-    import torch.distributed as dist
-
-    from bertpipe.training.trainer import PREEMPTED_EXIT_CODE, PreemptedError, run_pretraining
+    from bertpipe import tracking
 
     reads = [(f"phases[{i}].data", p.data) for i, p in enumerate(cfg.phases)]
     if cfg.model.init_from:
         reads.append(("model.init_from", cfg.model.init_from))
     preflight(reads, [("output", cfg.output), ("checkpoint.dir", cfg.checkpoint_dir)])
+    tracking.check_new_run(cfg.tracking, cfg.checkpoint_dir)  # before torch and DeepSpeed
+    import torch.distributed as dist
+
+    from bertpipe.training.trainer import PREEMPTED_EXIT_CODE, PreemptedError, run_pretraining
+
     owned = not dist.is_initialized()  # a group this command forms is this command's to end
     together = False  # all ranks got here together: safe to meet at a barrier
     try:

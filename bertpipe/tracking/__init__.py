@@ -8,7 +8,8 @@ split by concern:
   experiment (:func:`connect`), a config as params (:func:`config_params`), the lineage tags
   (:data:`TAG_STAGE`, :data:`TAG_PARENT`, :data:`TAG_DATA_CHECKSUM`), the short HTTP
   timeout of mid-run calls (:data:`~bertpipe.tracking.client.HTTP_TIMEOUT`), the probe of a
-  tracking server before a run starts (:func:`~bertpipe.tracking.client.check_reachable`),
+  tracking server before a run starts (:func:`~bertpipe.tracking.client.check_reachable`,
+  :func:`check_new_run` before a stage's costly start),
   and a run that has ended, by its id (:func:`connect_to_run`, :func:`set_run_tag`,
   :func:`log_run_artifact`).
 * :mod:`~bertpipe.tracking.lifecycle`: :func:`start_run` and the logging calls made inside it.
@@ -48,6 +49,8 @@ from bertpipe.tracking.client import (
     TAG_STAGE,
     TAG_TOKENIZER,
     TrackingConfig,
+    TrackingUnreachableError,
+    check_new_run,
     config_params,
     connect,
     connect_to_run,
@@ -107,7 +110,9 @@ __all__ = [
     "LoggedModelRef",
     "RegistryError",
     "TrackingConfig",
+    "TrackingUnreachableError",
     "buffer_path",
+    "check_new_run",
     "config_params",
     "connect",
     "connect_to_run",

@@ -49,6 +49,7 @@ __all__ = [
     "TAG_TOKENIZER",
     "TrackingConfig",
     "TrackingUnreachableError",
+    "check_new_run",
     "check_reachable",
     "config_params",
     "connect",
@@ -176,11 +177,11 @@ def _file_uri(path: str) -> str:
     return pathlib.Path(os.path.abspath(path)).as_uri()
 
 
-def connect(cfg: TrackingConfig, probe_seconds: float = PROBE_SECONDS) -> str:
+def connect(cfg: TrackingConfig, probe_seconds: float | None = None) -> str:
     """Point MLflow at ``cfg``'s store and return the experiment id (created if missing).
 
-    A tracking server is probed first, for ``probe_seconds`` (:func:`check_reachable`: 0 is
-    one attempt). The experiment carries
+    A tracking server is probed first, for ``probe_seconds`` (default
+    :data:`PROBE_SECONDS`; 0 is one attempt: :func:`check_reachable`). The experiment carries
     MLflow's kind tag for model training (:data:`EXPERIMENT_KIND`): a new one from the start,
     an existing one without a kind on first use (a kind someone chose is kept). An existing
     experiment whose artifact root MLflow misreads (written for a sqlite store by an earlier
@@ -242,11 +243,12 @@ def _warn_misread_root(cfg: TrackingConfig, exp: Any) -> None:
     )
 
 
-def check_reachable(uri: str, key: str = "tracking.uri", seconds: float = PROBE_SECONDS) -> None:
+def check_reachable(uri: str, key: str = "tracking.uri", seconds: float | None = None) -> None:
     """Raise :class:`TrackingUnreachableError` (one line naming ``key``) when nothing answers
-    at the ``http(s)://`` tracking server ``uri`` within ``seconds``: refused or timed-out
-    connections, unknown host names, TLS failures. Any HTTP answer counts as reachable (the
-    server's own errors come from MLflow's first call). Other URIs: nothing.
+    at the ``http(s)://`` tracking server ``uri`` within ``seconds`` (default
+    :data:`PROBE_SECONDS`): refused or timed-out connections, unknown host names, TLS
+    failures. Any HTTP answer counts as reachable (the server's own errors come from MLflow's
+    first call). Other URIs: nothing.
 
     One ``GET /health`` through MLflow's own request code (its TLS and auth settings), without
     retries, tried again each second until the time is up (at least once, with a timeout of
@@ -257,6 +259,8 @@ def check_reachable(uri: str, key: str = "tracking.uri", seconds: float = PROBE_
     from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.rest_utils import http_request
 
+    if seconds is None:
+        seconds = PROBE_SECONDS
     deadline = time.monotonic() + seconds
     while True:
         left = max(2.0, deadline - time.monotonic())
@@ -284,6 +288,21 @@ def check_reachable(uri: str, key: str = "tracking.uri", seconds: float = PROBE_
         "start the server, point tracking.uri at one, or run without tracking "
         "(tracking.enabled=false)"
     )
+
+
+def check_new_run(cfg: TrackingConfig, checkpoints: str | None = None) -> None:
+    """The early check of a stage that opens its run only after costly work (joining the
+    process group, which may first compile DeepSpeed's CPU op for minutes; the model): a new
+    run's tracking server that is not there is one line now (:func:`check_reachable`), on
+    every rank, before any of it. Skipped when tracking is off, and when ``checkpoints`` (the
+    stage's checkpoint folder) holds a ``latest`` checkpoint: a resumed run goes on while its
+    server is down (its records buffered), as :func:`~bertpipe.tracking.lifecycle.start_run`
+    decides once it knows the run."""
+    if not cfg.enabled:
+        return
+    if checkpoints and fsio.exists(fsio.join(str(checkpoints), "latest")):
+        return
+    check_reachable(cfg.resolved_uri(), cfg.uri_key())
 
 
 def _unreachable(exc: BaseException) -> str | None:

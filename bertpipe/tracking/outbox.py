@@ -69,9 +69,11 @@ def encode_value(value: float) -> float | str:
 
 class Outbox:
     """The open run's sender: straight to MLflow while it answers, else to the buffer file
-    (append-only JSONL), replayed when the store answers again. Thread-safe: a send, a replay
-    and the close hold a lock, so records keep their order in the buffer and the store is
-    tried at most once per ``retry_seconds`` whichever thread tries it."""
+    (append-only JSONL), replayed when the store answers again. Thread-safe (the stage's
+    thread and the system-metrics sampler share it): the buffer, a replay and the close are
+    handled under a lock, so records keep their order in the buffer and, once the store
+    failed, it is tried at most once per ``retry_seconds`` whichever thread tries; a direct
+    send (nothing buffered) is made outside the lock."""
 
     def __init__(self, run_id: str, path: str, retry_seconds: float | None = None) -> None:
         self.run_id = run_id
@@ -91,23 +93,25 @@ class Outbox:
         return os.path.exists(self.path) and os.path.getsize(self.path) > 0
 
     def send(self, records: list[dict[str, Any]]) -> None:
-        """Send ``records`` (after what the buffer holds), or append them to the buffer."""
-        with self._lock:
-            self._send(records)
+        """Send ``records`` (after what the buffer holds), or append them to the buffer.
 
-    def _send(self, records: list[dict[str, Any]]) -> None:
-        for r in records:
-            if r["kind"] == "metric" and not str(r["key"]).startswith(SYSTEM_PREFIX):
-                self.last_step = max(self.last_step, int(r["step"]))  # the stage's own steps
-        if self.pending() and not self.replay():
-            self._append(records)
-            return
+        The buffer and the replay are handled under the lock; a direct send (nothing
+        buffered) is made outside it, so that one thread's call in flight (a sampler's, or a
+        store that is slow to answer) never holds up another's."""
+        with self._lock:
+            for r in records:
+                if r["kind"] == "metric" and not str(r["key"]).startswith(SYSTEM_PREFIX):
+                    self.last_step = max(self.last_step, int(r["step"]))  # the stage's steps
+            if self.pending() and not self.replay():
+                self._append(records)
+                return
         todo = list(records)
         try:
             send_records(todo)
         except Exception as exc:
-            self.failed(exc)
-            self._append(todo)
+            with self._lock:
+                self.failed(exc)
+                self._append(todo)
 
     def replay(self, force: bool = False, resuming: bool = False) -> bool:
         """Send what the buffer holds (at most every ``retry_seconds`` unless ``force``);

@@ -311,3 +311,17 @@ def test_quick_http_settings_are_restored_when_threads_leave_out_of_order(
     assert seen == [None, "0", str(tracking_client.HTTP_TIMEOUT)]
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "7"
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
+
+
+def test_the_early_check_skips_resumed_runs_and_disabled_tracking(tmp_path: Path) -> None:
+    """``check_new_run`` (pretrain, finetune and sweep call it before DeepSpeed starts)
+    refuses a new run without its server, and leaves a run that will resume from
+    ``latest`` to go on while the server is down, as before."""
+    cfg = tracking.TrackingConfig(uri=f"http://127.0.0.1:{free_port()}")
+    checkpoints = tmp_path / "checkpoints"
+    with pytest.raises(tracking_client.TrackingUnreachableError):
+        tracking.check_new_run(cfg, str(checkpoints))
+    checkpoints.mkdir()
+    (checkpoints / "latest").write_text("global_step4")
+    tracking.check_new_run(cfg, str(checkpoints))  # resumes: no probe, no error
+    tracking.check_new_run(tracking.TrackingConfig(uri=cfg.uri, enabled=False))
