@@ -10,6 +10,10 @@ Layouts (``input.format``):
 - ``parquet``: one document per row (``input.text_field``, ``input.id_field``), read one
   row group at a time with pyarrow.
 
+Text is split into sentences by the rules of ``input.language`` (or of each record's
+``input.language_field``): see :mod:`bertpipe.preprocessing.sentences` and
+docs/languages.md.
+
 Uncompressed ``sentences`` and ``jsonl`` files can be read in byte ranges (``start``,
 ``end``): a range yields the documents whose first line starts in it, so a 20 GB file is
 read by many workers at once (its documents are then named by their byte offset, the same
@@ -40,7 +44,12 @@ import fsspec.spec
 from bertpipe import fsio
 from bertpipe.config import ConfigError
 from bertpipe.errors import TransientError
-from bertpipe.preprocessing.sentences import split_sentences
+from bertpipe.preprocessing.sentences import (
+    check_language,
+    is_english,
+    segment_sentences,
+    split_sentences,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +83,15 @@ class InputConfig:
     split_sentences: bool | None = None
     """Run the sentence splitter; null means no for ``sentences`` (lines are sentences),
     yes for the others. An overlong line is always split."""
+    language: str = "en"
+    """The corpus's language (``ko``, ``ja``, ``zh``, ``de``...; any language code), which
+    picks the sentence splitter's rules: ``en`` keeps the English rules of the paper recipe;
+    any other goes to sentencex, which knows the terminators of every script (``。``, ``！``,
+    ``।``...) and Korean endings (``…합니다. 다음``). See docs/languages.md."""
+    language_field: str | None = None
+    """JSONL and parquet: the field (column) holding each document's language code; a
+    record without it (or with null) is in ``language``; one that is not a language code is
+    counted (``documents_language_invalid``) and read as ``language``."""
     max_sentence_chars: int = 10_000
     """Longer sentences (after splitting) are skipped and counted."""
     allow_partial: bool = False
@@ -86,6 +104,16 @@ class InputConfig:
     def __post_init__(self) -> None:
         if self.max_sentence_chars < 1:
             raise ConfigError("max_sentence_chars", "must be at least 1")
+        try:
+            check_language(self.language)
+        except ValueError as exc:
+            raise ConfigError("language", f"is {exc}") from None
+        if self.language_field is not None and self.format not in ("jsonl", "parquet"):
+            raise ConfigError(
+                "language_field",
+                f"is for jsonl and parquet records; input.format={self.format} has no "
+                "fields: set input.language for the whole corpus instead",
+            )
 
     @property
     def splitting(self) -> bool:
@@ -314,8 +342,31 @@ def _clean(sentences: list[str], cfg: InputConfig, counts: Counter[str]) -> list
     return out
 
 
-def _split(text: str, cfg: InputConfig, counts: Counter[str]) -> list[str]:
-    return _clean(split_sentences(text), cfg, counts)
+def _split(text: str, cfg: InputConfig, counts: Counter[str], language: str) -> list[str]:
+    if is_english(language):
+        return _clean(split_sentences(text), cfg, counts)
+    return _clean(segment_sentences(text, language), cfg, counts)
+
+
+def _language(value: object, cfg: InputConfig, counts: Counter[str], where: str) -> str:
+    """A record's language: its ``language_field`` value, else ``input.language``."""
+    if value is None or value == "":
+        return cfg.language
+    if isinstance(value, str):
+        try:
+            return check_language(value)
+        except ValueError:
+            pass
+    counts["documents_language_invalid"] += 1
+    if counts["documents_language_invalid"] <= 10:
+        log.warning(
+            "%s: %s=%r is not a language code such as ko, ja or zh-CN; read as input.language=%s",
+            where,
+            cfg.language_field,
+            value,
+            cfg.language,
+        )
+    return cfg.language
 
 
 def _sentence_docs(
@@ -355,7 +406,7 @@ def _sentence_docs(
             doc_start = offset
         prev_blank = False
         if cfg.splitting or len(line) > cfg.max_sentence_chars:
-            sentences.extend(_split(line, cfg, counts))
+            sentences.extend(_split(line, cfg, counts, cfg.language))
         else:
             sentences.extend(_clean([line], cfg, counts))
     if doc_start >= 0 and sentences:
@@ -395,18 +446,21 @@ def _jsonl_docs(
         if cfg.id_field and cfg.id_field in record:
             doc_id = str(record[cfg.id_field])
         if keep is None or keep(doc_id):
-            yield from _record_doc(text, doc_id, cfg, counts)
+            language = cfg.language
+            if cfg.language_field:
+                language = _language(record.get(cfg.language_field), cfg, counts, doc_id)
+            yield from _record_doc(text, doc_id, cfg, counts, language)
 
 
 def _record_doc(
-    text: object, doc_id: str, cfg: InputConfig, counts: Counter[str]
+    text: object, doc_id: str, cfg: InputConfig, counts: Counter[str], language: str
 ) -> Iterator[Document]:
     """The document of one JSONL or parquet record's text."""
     if not isinstance(text, str):
         counts["records_malformed"] += 1
         return
     sentences = (
-        _split(text, cfg, counts)
+        _split(text, cfg, counts, language)
         if cfg.splitting
         else _clean([s.strip() for s in text.splitlines() if s.strip()], cfg, counts)
     )
@@ -433,23 +487,23 @@ def _parquet_docs(
         meta = pf.metadata
         if start == 0:
             counts["files_read"] += 1
-        columns = [cfg.text_field] + ([cfg.id_field] if cfg.id_field else [])
+        columns = [cfg.text_field] + [f for f in (cfg.id_field, cfg.language_field) if f]
         columns = [c for c in columns if c in pf.schema_arrow.names]
         row = sum(meta.row_group(g).num_rows for g in range(start))
         for group in range(start, meta.num_row_groups if end is None else end):
             table = pf.read_row_group(group, columns=columns)
             texts = table.column(cfg.text_field).to_pylist()
-            ids = (
-                table.column(cfg.id_field).to_pylist()
-                if cfg.id_field in table.column_names
-                else [None] * len(texts)
+            ids, languages = (
+                table.column(f).to_pylist() if f in table.column_names else [None] * len(texts)
+                for f in (cfg.id_field, cfg.language_field)
             )
             del table
-            for text, doc_id in zip(texts, ids, strict=True):
+            for text, doc_id, language in zip(texts, ids, languages, strict=True):
                 key = f"{name}#{row}" if doc_id is None else str(doc_id)
                 row += 1
                 if keep is None or keep(key):
-                    yield from _record_doc(text, key, cfg, counts)
+                    lang = _language(language, cfg, counts, key) if cfg.language_field else None
+                    yield from _record_doc(text, key, cfg, counts, lang or cfg.language)
 
 
 def _text_doc(
@@ -457,7 +511,7 @@ def _text_doc(
 ) -> Iterator[Document]:
     text = "\n".join(line for _, line in lines)
     if cfg.splitting:
-        sentences = _split(text, cfg, counts)
+        sentences = _split(text, cfg, counts, cfg.language)
     else:
         sentences = _clean([s.strip() for s in text.splitlines() if s.strip()], cfg, counts)
     if sentences:

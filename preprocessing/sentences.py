@@ -1,19 +1,47 @@
-"""A rule-based English sentence splitter that needs no model download.
+"""Sentence splitting for the world's scripts; no model download.
 
-A boundary is terminal punctuation (``.``, ``!``, ``?``, optionally followed by closing
-quotes or brackets), then whitespace, then something that can start a sentence (a capital
-letter, a digit or an opening quote/bracket). A period after a known abbreviation or a
-single-letter initial is not a boundary. Blank lines always end a sentence. This is the
-same family of heuristics as the Punkt defaults, tuned for encyclopedic and technical prose,
-and it is fast: one regular-expression scan per paragraph, linear in its length whatever
-the text (long runs of dots or of anything else included).
+Two splitters, chosen by the corpus's language (``input.language``, or per document from
+``input.language_field``; see docs/languages.md):
+
+- English (``en``, the default, also ``en-US`` and the like): the rule-based splitter of the
+  BERT paper recipe's output, unchanged. A boundary is terminal punctuation (``.``, ``!``,
+  ``?``, optionally followed by closing quotes or brackets), then whitespace, then something
+  that can start a sentence (a capital letter, a digit or an opening quote/bracket). A period
+  after a known abbreviation or a single-letter initial is not a boundary. This is the same
+  family of heuristics as the Punkt defaults, tuned for encyclopedic and technical prose, and
+  it is fast: one regular-expression scan per paragraph, linear in its length whatever the
+  text (long runs of dots or of anything else included).
+- Every other language: `sentencex <https://github.com/wikimedia/sentencex>`_ (Wikimedia,
+  MIT licence, rule based, about 300 languages through fallback chains, compiled, no
+  dependencies, nothing downloaded), which knows the terminators of every script (``。``,
+  ``！``, ``？``, ``।``, ``؟`` ...) and ends Korean ``…합니다. 다음…`` sentences that an English
+  capital-letter rule never ends. sentencex is quadratic on some inputs (a paragraph of
+  unmatched opening quotes, or of ``。``/``!`` with no space between them: its look-back for
+  the word before every terminator runs to the last space), so a paragraph is given to it in
+  pieces that hold at most :data:`RISKY_PER_PIECE` such characters, cut where a sentence
+  ends; overlong runs of them (9 or more in a row) never reach it. That keeps it linear:
+  1 MB of any of them takes well under a second. Section numbers that it cuts off as
+  sentences of their own (``2.4.``, ``그림 14.151.``) are joined to the sentence they number.
+
+Either way, blank lines always end a sentence, and a single line break inside a paragraph
+is folded: into a space, except between two characters of scripts written without spaces
+(Han, kana, CJK punctuation and fullwidth forms: not Hangul), where it disappears, as a
+browser renders such text (CSS Text 3, segment breaks).
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["split_paragraphs", "split_sentences"]
+import sentencex
+
+__all__ = [
+    "check_language",
+    "is_english",
+    "segment_sentences",
+    "split_paragraphs",
+    "split_sentences",
+]
 
 _ABBREVIATIONS = frozenset(
     [
@@ -104,12 +132,30 @@ _TERMINAL = re.compile(r"[.!?]")
 _WORD_BEFORE = re.compile(r"([\w.]+)$")
 _PARAGRAPH = re.compile(r"\n\s*\n")
 _SPACES = re.compile(r"\s+")
+# scripts written without spaces between words: a line break between two of their
+# characters is no word break (Hangul is written with spaces and is not here)
+_NO_SPACE = (
+    "\u2e80-\u2fdf"  # CJK radicals, Kangxi radicals
+    "\u3000-\u303f"  # CJK symbols and punctuation (。、「」)
+    "\u3040-\u30ff"  # hiragana, katakana
+    "\u31f0-\u31ff"  # katakana phonetic extensions
+    "\u3400-\u4dbf"  # CJK extension A
+    "\u4e00-\u9fff"  # CJK unified ideographs
+    "\uf900-\ufaff"  # CJK compatibility ideographs
+    "\uff00-\uffef"  # halfwidth and fullwidth forms (！？（）, halfwidth katakana)
+    "\U00020000-\U0003134f"  # CJK extensions B-G
+)
+_CJK_LINE_BREAK = re.compile(rf"(?<=[{_NO_SPACE}])[^\S\n]*\n\s*(?=[{_NO_SPACE}])")
 
 
 def split_paragraphs(text: str) -> list[str]:
-    """Blank-line separated paragraphs, each with its line breaks folded into spaces."""
+    """Blank-line separated paragraphs, each with its line breaks folded: into a space, or
+    into nothing between two characters of a script written without spaces (``…説明\nし
+    ます`` is ``…説明します``)."""
     out = []
     for block in _PARAGRAPH.split(text):
+        if "\n" in block and not block.isascii():
+            block = _CJK_LINE_BREAK.sub("", block)
         block = _SPACES.sub(" ", block).strip()
         if block:
             out.append(block)
@@ -146,3 +192,131 @@ def _is_abbreviation(text: str, period_at: int) -> bool:
     if len(word) == 1 and word.isalpha():  # an initial: "J. Smith", "U. S."
         return True
     return word in _ABBREVIATIONS
+
+
+# ---------------------------------------------------------------- languages other than English
+
+_LANGUAGE = re.compile(r"[A-Za-z]{2,3}(?:[-_][A-Za-z0-9]{1,8})*")
+
+
+def check_language(code: str) -> str:
+    """``code`` if it is a language tag (``ko``, ``ja``, ``zh-CN``, ``pt_BR``); else ValueError."""
+    if not isinstance(code, str) or not _LANGUAGE.fullmatch(code):
+        raise ValueError(f"{code!r} is not a language code such as en, ko, ja or zh-CN")
+    return code
+
+
+def is_english(language: str) -> bool:
+    """Whether ``language`` gets the English rules (``en``, ``en-GB``, ``EN_us``)."""
+    return language[:2].lower() == "en" and language[2:3] in ("", "-", "_")
+
+
+# sentencex's sentence terminators (Unicode's STerm and ATerm, and 。｡), all but the full
+# stop: each one makes sentencex look back to the last space or full stop
+_TERMINATORS = (
+    "!?։؝؞؟۔܀܁܂߹࠷࠹࠽࠾।॥၊။።፧፨᙮᜵᜶᠃᠉᥄᥅᪨᪩᪪᪫᭚᭛᭞᭟᭽᭾᰻᰼᱾᱿․‼‽⁇⁈⁉⸮⸼⹓⹔"
+    "꓿꘎꘏꛳꛷꡶꡷꣎꣏꤯꧈꧉꩝꩞꩟꫰꫱꯫﹒﹖﹗！．？｡。"
+    "𐩖𐩗𐽕𐽖𐽗𐽘𐽙𐾆𐾇𐾈𐾉𑁇𑁈𑂾𑂿𑃀𑃁𑅁𑅂𑅃𑇅𑇆𑇍𑇞𑇟𑈸𑈹𑈻𑈼𑊩𑑋𑑌"
+    "𑗂𑗃𑗉𑗊𑗋𑗌𑗍𑗎𑗏𑗐𑗑𑗒𑗓𑗔𑗕𑗖𑗗𑙁𑙂𑜼𑜽𑜾𑥄𑥆𑩂𑩃𑪛𑪜𑱁𑱂𑻷𑻸𑽃𑽄𖩮𖩯𖫵𖬷𖬸𖭄𖺘𛲟𝪈"
+)
+# the quotes and brackets sentencex pairs (an opener without a closer makes it search the
+# rest of the paragraph for one)
+_QUOTES = "`'\"«»‘’‚“”‛„‟‹›《》「」『』【】〈〉（）()[]{}<>"
+_CLOSERS = re.escape("\"'”’»›)]}）」』】》〉")
+_CJK_TERMINATORS = "。！？｡．"
+_RISKY_PER_RUN = 8
+RISKY_PER_PIECE = 32
+"""At most this many terminators and quotes in a piece of a paragraph given to sentencex:
+its time on a piece is at most about this many times the piece's length."""
+
+
+class _Scanner:
+    """The patterns that cut a paragraph for sentencex, over a set of terminators. (A
+    character class holding characters beyond U+FFFF is ten times slower to test in
+    Python's ``re``: paragraphs without such characters use the set without them.)"""
+
+    def __init__(self, terminators: str) -> None:
+        term = re.escape(terminators)
+        risky = re.escape(terminators + _QUOTES)
+        self.overlong_run = re.compile(rf"[{risky}]{{{_RISKY_PER_RUN + 1},}}")
+        # up to and including the (RISKY_PER_PIECE / 2)-th terminator or quote
+        self.half = re.compile(rf"(?:[^{risky}]*+[{risky}]){{{RISKY_PER_PIECE // 2}}}")
+        # the last sentence-like end in a span: terminators (a whole run), closers and a
+        # space, or a CJK full stop, exclamation or question mark and closers
+        self.last_end = re.compile(
+            rf"(?s:.*)(?:(?<![.{term}])[.{term}]++[{_CLOSERS}]*+ "
+            rf"|(?<![{_CJK_TERMINATORS}])[{_CJK_TERMINATORS}]++[{_CLOSERS}]*+)"
+        )
+
+
+_SCAN_BMP = _Scanner("".join(c for c in _TERMINATORS if c <= "\uffff"))
+_SCAN_ALL = _Scanner(_TERMINATORS)
+_LAST_SPACE = re.compile(r"(?s:.*) ")
+_ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+_NUMBERING = re.compile(r"(?:\S{1,12} )?\d+(?:\.\d+)*\.")
+
+
+def segment_sentences(text: str, language: str) -> list[str]:
+    """Split ``text`` into sentences with sentencex's rules for ``language`` (any code;
+    one it has no rules for falls back to its defaults, which know every script's
+    terminators). Blank lines end a sentence; line breaks fold as :func:`split_paragraphs`
+    says."""
+    sentences: list[str] = []
+    for paragraph in split_paragraphs(text):
+        scan = _SCAN_ALL if _ASTRAL.search(paragraph) else _SCAN_BMP
+        raw: list[str] = []
+        start = 0
+        for run in scan.overlong_run.finditer(paragraph):
+            _segment_span(scan, paragraph, start, run.start(), language, raw)
+            # a run of quotes or terminators (garbage, or a decoration) stays with the text
+            # before it; the library never sees it
+            if raw:
+                raw[-1] += run.group()
+            else:
+                raw.append(run.group())
+            start = run.end()
+        _segment_span(scan, paragraph, start, len(paragraph), language, raw)
+        sentences.extend(_join_numbering(raw))
+    return sentences
+
+
+def _segment_span(
+    scan: _Scanner, text: str, start: int, end: int, language: str, out: list[str]
+) -> None:
+    """Append sentencex's sentences of ``text[start:end]``, given to it in pieces of at most
+    :data:`RISKY_PER_PIECE` terminators and quotes, each cut after the last sentence end
+    (else space) among its last half of them: linear in the span's length."""
+    while start < end:
+        cut = end
+        half = scan.half.match(text, start, end)
+        full = scan.half.match(text, half.end(), end) if half is not None else None
+        if half is not None and full is not None and full.end() < end:
+            cut = full.end()
+            found = scan.last_end.match(text, half.end(), cut) or _LAST_SPACE.match(
+                text, half.end(), cut
+            )
+            if found is not None:
+                cut = found.end()
+        out.extend(sentencex.segment(language, text[start:cut]))
+        start = cut
+
+
+def _join_numbering(raw: list[str]) -> list[str]:
+    """Strip sentencex's sentences and join a section number it cut off (``2.4.``,
+    ``Figure 3.``) to the sentence it numbers."""
+    out: list[str] = []
+    pending = ""
+    for piece in raw:
+        sentence = piece.strip()
+        if not sentence:
+            continue
+        if sentence[-2:-1].isdigit() and sentence[-1] == "." and _NUMBERING.fullmatch(sentence):
+            pending += piece
+            continue
+        if pending:
+            sentence = (pending + piece).strip()
+            pending = ""
+        out.append(sentence)
+    if pending:
+        out.append(pending.strip())
+    return out
