@@ -4,13 +4,17 @@ Layout under the checkpoint folder::
 
     global_step300/            DeepSpeed's files (model, optimizer partitions per rank)
       bertpipe_state.json      phase, steps, data position, MLflow run id, config (rank 0)
-      bertpipe_rank00001.json  this rank's RNG states and data position (every rank)
-    latest                     the newest COMPLETE checkpoint's tag
+      bertpipe_rank00001.json  this rank's completion marker: RNG states, data position and
+                               the files it wrote with their sizes and CRC-32 (every rank)
+    latest                     the newest WHOLE checkpoint's tag
     bertpipe_index.json        every kept checkpoint: tag, phase, step, phase_end
 
-Every rank writes its part, then all ranks meet at a barrier, and only then does rank 0
+Every rank writes its part, its completion marker last, then all ranks meet at a barrier,
+each checks another rank's marker against the files it sees, and only then does rank 0
 rewrite ``latest`` (temporary file + rename). A job killed while saving therefore resumes
-from the previous checkpoint, never from half of one. On object storage (``s3://``, ``gs://``)
+from the previous checkpoint, never from half of one. A checkpoint damaged afterwards (a
+truncated file, a changed byte) is found at the resume (:func:`latest_complete_tag`, file
+checks in :mod:`bertpipe.training.ckpt_files`), which falls back to the newest whole one. On object storage (``s3://``, ``gs://``)
 ranks write locally and upload, and ``latest`` moves once every rank's upload is on the store
 (:mod:`bertpipe.training.ckpt_store`). Older checkpoints beyond ``keep_last``
 are deleted after that, except the final checkpoint of each phase (phase 2 and exports start
@@ -34,18 +38,20 @@ import torch.distributed as dist
 
 from bertpipe import fsio
 from bertpipe.errors import BertpipeError
-from bertpipe.training import ckpt_store, disk_space
+from bertpipe.training import ckpt_files, ckpt_store, disk_space
 from bertpipe.training.faults import NO_FAULTS, Faults
 from bertpipe.training.rng_state import capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CheckpointDamagedError",
     "CheckpointState",
     "DataChangedError",
     "ResumeState",
     "capture_rng",
     "check_data",
+    "check_named",
     "configure",
     "latest_complete_tag",
     "latest_tag",
@@ -118,6 +124,11 @@ class ResumeState:
         return self.rank_state is not None and self.state.world_size == world_size
 
 
+class CheckpointDamagedError(BertpipeError):
+    """No whole checkpoint to resume from (every one damaged or incomplete), the one
+    ``checkpoint.resume`` names is damaged, or one was not whole after saving: exit 2."""
+
+
 class DataChangedError(BertpipeError):
     """A resume whose data manifest differs from the one the checkpoint was trained on."""
 
@@ -182,6 +193,7 @@ def save(
     faults: Faults = NO_FAULTS,
     keep_last: int | None = None,
     wait: bool = False,
+    checksums: bool = True,
 ) -> None:
     """Save ``engine`` and ``state`` under ``folder/tag``; move ``latest`` once all ranks are
     done. ``good=False`` marks a checkpoint saved while steps were being skipped for
@@ -192,7 +204,8 @@ def save(
     On object storage (:mod:`bertpipe.training.ckpt_store`) each rank saves into its local
     staging folder and uploads it in the background; rank 0 publishes ``latest`` and prunes
     to ``keep_last`` once every rank's upload is on the store. ``wait``: return only once
-    it is published (a phase end, a SIGTERM, the end of a run)."""
+    it is published (a phase end, a SIGTERM, the end of a run). ``checksums``: each rank's
+    completion marker lists its files' CRC-32 beside their sizes."""
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -205,12 +218,14 @@ def save(
         remote.wait()  # one checkpoint in flight: the previous one is on the store first
         local = remote.staging(rank)
         need = disk_space.folder_bytes(local)  # this rank's last save (uploaded by now)
+        inodes = disk_space.folder_inodes(local)
         shutil.rmtree(local, ignore_errors=True)  # nothing in flight: leftovers of killed saves
         (local / tag).mkdir(parents=True, exist_ok=True)
         attempt = _attempt_id()
     else:
         local = _local_path(folder)
         need = disk_space.folder_bytes(local / resume_from) if resume_from else 0
+        inodes = disk_space.folder_inodes(local / resume_from) if resume_from else 0
     # what DeepSpeed's ds_to_universal needs to convert the checkpoint for another world size
     client_state = {
         UNIVERSAL_CHECKPOINT_INFO: {
@@ -218,23 +233,13 @@ def save(
         }
     }
     where = local if remote is None else local / tag
-    with disk_space.room_for(where, local / tag, need, resume_from, engine):
+    with disk_space.room_for(where, local / tag, need, resume_from, engine, inodes=inodes):
         engine.save_checkpoint(str(local), tag=tag, client_state=client_state, save_latest=False)
         faults.in_checkpoint_save(tag)
-        rank_state = {"rng": capture_rng(), "data": state.data, "samples_seen": state.samples_seen}
-        if rank_extra:
-            rank_state["loop"] = rank_extra
-        (local / tag).mkdir(parents=True, exist_ok=True)
-        fsio.atomic_write_text(str(local / tag / _rank_file(rank)), json.dumps(rank_state))
-        if rank == 0:
-            state_text = json.dumps(asdict(state), indent=1)
-            fsio.atomic_write_text(str(local / tag / STATE_FILE), state_text)
+        files = _write_own_part(local / tag, state, rank, rank_extra, checksums)
     if remote is None:
         dist.barrier()
-        if rank == 0:
-            fsio.atomic_write_text(str(local / "latest"), tag)
-            _update_index(folder, tag, state, good)
-        dist.barrier()
+        _publish_local(engine, folder, tag, state, rank, good=good, resume_from=resume_from)
         log.info("checkpoint %s saved in %s", tag, local)
         return
     world = state.world_size
@@ -256,11 +261,76 @@ def save(
         publish=publish if rank == 0 else None,
         background=not wait,
         in_upload=faults.in_checkpoint_upload,
+        checksums={n: e["crc32"] for n, e in files.items() if "crc32" in e},
     )
     if wait:
         dist.barrier()  # every rank returns once rank 0 has published
     else:
         log.debug("checkpoint %s saved locally, uploading to %s", tag, folder)
+
+
+def _write_own_part(
+    folder: Path,
+    state: CheckpointState,
+    rank: int,
+    rank_extra: dict[str, Any] | None,
+    checksums: bool,
+) -> dict[str, dict[str, Any]]:
+    """This rank's part of a checkpoint beside DeepSpeed's files in ``folder`` (the tag's):
+    bertpipe's state (rank 0), then the rank's completion marker, its RNG states, data
+    position and the files it wrote with their sizes and CRC-32 (:mod:`.ckpt_files`); returns
+    that list."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        fsio.atomic_write_text(str(folder / STATE_FILE), json.dumps(asdict(state), indent=1))
+    rank_name = _rank_file(rank)
+    own = ckpt_files.owned_files(folder, rank, exclude=(rank_name,))
+    files = ckpt_files.record(folder, own, checksums)
+    rank_state = {"rng": capture_rng(), "data": state.data, "samples_seen": state.samples_seen}
+    if rank_extra:
+        rank_state["loop"] = rank_extra
+    rank_state["files"] = files
+    fsio.atomic_write_text(str(folder / rank_name), json.dumps(rank_state))
+    return files
+
+
+def _publish_local(
+    engine: Any,
+    folder: str,
+    tag: str,
+    state: CheckpointState,
+    rank: int,
+    *,
+    good: bool,
+    resume_from: str | None,
+) -> None:
+    """Move ``latest`` to ``tag`` once every rank wrote its part (after a barrier): each rank
+    first checks another rank's marker against the files it sees (sizes; a rank whose files
+    the others cannot see, such as a folder local to each node, is caught at the first save),
+    then rank 0 writes ``latest`` and the index. A full disk there is the save's
+    :class:`~bertpipe.errors.DiskFullError`, with ``tag`` removed."""
+    where = _Folder(folder)
+    neighbour = (rank + 1) % state.world_size
+    why = ckpt_files.agree(where.damaged_markers(tag, [neighbour], deep=False))
+    if why:
+        raise CheckpointDamagedError(
+            f"checkpoint {tag} in {folder} is not whole after every rank saved it ({why}): "
+            "checkpoint.dir must be one folder every rank sees (a shared file system) or "
+            f"object storage; `latest` still names {resume_from or 'nothing'}"
+        )
+    local = _local_path(folder)
+    failed: BaseException | None = None
+    if rank == 0:
+        try:  # every rank is done writing: rank 0 may remove the tag on a full disk
+            with disk_space.full_disk(local, local / tag, resume_from):
+                fsio.atomic_write_text(str(local / "latest"), tag)
+                _update_index(folder, tag, state, good)
+        except Exception as exc:  # re-raised below, once every rank knows
+            failed = exc
+    if disk_space.any_rank(failed is not None, engine):
+        if failed is not None:
+            raise failed
+        raise BertpipeError(f"checkpoint {tag}: rank 0 could not publish it (see its error)")
 
 
 def wait_uploads() -> None:
@@ -281,6 +351,7 @@ def save_and_prune(
     rank_extra: dict[str, Any] | None = None,
     faults: Faults = NO_FAULTS,
     wait: bool = False,
+    checksums: bool = True,
 ) -> str:
     """A run's checkpoint of its ``global_step``, as both training loops save one: refused
     if any weight is not finite (all ranks agree; ``where`` names the step in the error),
@@ -307,23 +378,36 @@ def save_and_prune(
             faults=faults,
             keep_last=keep_last,
             wait=wait,
+            checksums=checksums,
         )
         return tag
-    save(engine, folder, tag, state, rank, good=good, rank_extra=rank_extra, faults=faults)
+    save(
+        engine,
+        folder,
+        tag,
+        state,
+        rank,
+        good=good,
+        rank_extra=rank_extra,
+        faults=faults,
+        checksums=checksums,
+    )
     if rank == 0:
         prune(folder, keep_last)
     dist.barrier()
     return tag
 
 
-def resume_tag(folder: str, resume: str) -> str | None:
-    """The checkpoint ``checkpoint.resume`` names: ``auto`` the latest complete one (None if
-    there is none), ``none`` None (refused if ``folder`` holds checkpoints, which a new run
-    would mix with its own), else the tag itself."""
+def resume_tag(folder: str, resume: str, checksums: bool = True) -> str | None:
+    """The checkpoint ``checkpoint.resume`` names: ``auto`` the latest whole one (None if
+    there is none; see :func:`latest_complete_tag`), ``none`` None (refused if ``folder``
+    holds checkpoints, which a new run would mix with its own), else the tag itself, refused
+    (:class:`CheckpointDamagedError`) if it is damaged. ``checksums``: the CRC-32 of the
+    files are checked too (``checkpoint.verify_checksums``), not only their sizes."""
     from bertpipe.config import ConfigError
 
     if resume == "auto":
-        return latest_complete_tag(folder)
+        return latest_complete_tag(folder, checksums)
     if resume == "none":
         if has_checkpoints(folder):
             raise ConfigError(
@@ -332,7 +416,24 @@ def resume_tag(folder: str, resume: str) -> str | None:
                 "output / checkpoint.dir",
             )
         return None
+    check_named(folder, resume, checksums)
     return resume
+
+
+def check_named(folder: str, tag: str, checksums: bool = True) -> None:
+    """Refuse checkpoint ``tag``, named by the user or the index (a phase's end), if what
+    its markers list is damaged (one line naming it, exit 2). A checkpoint without markers
+    (a universal conversion) or without bertpipe's state (:func:`read_state` names that)
+    passes."""
+    where = _Folder(folder)
+    if where.read_text(f"{tag}/{STATE_FILE}") is None:
+        return
+    why = ckpt_files.agree(where.damaged(tag, deep=checksums, every_rank=False))
+    if why:
+        raise CheckpointDamagedError(
+            f"checkpoint {tag} in {folder} is incomplete or damaged ({why}): choose another "
+            "one with checkpoint.resume=<tag>, or resume=auto for the newest whole one"
+        )
 
 
 class _Folder:
@@ -376,27 +477,77 @@ class _Folder:
         else:
             (_local_path(self.folder) / name).unlink(missing_ok=True)
 
-    def missing(self, tag: str) -> str:
-        """Why checkpoint ``tag`` is incomplete ('' if complete): bertpipe's state and every
-        rank's own file on a local folder; on object storage every rank's upload marker and
-        every file it lists (:meth:`RemoteCheckpoints.missing`)."""
+    def damaged(self, tag: str, *, deep: bool, every_rank: bool = True) -> str:
+        """Why checkpoint ``tag`` is not whole ('' if it is): bertpipe's state parses and,
+        on a local folder, every rank's completion marker is there (with ``every_rank``;
+        a universal conversion has none) and the files of this process's share of the
+        markers check (:meth:`damaged_markers`); on object storage every rank's upload marker
+        and every file it lists with its size (:meth:`RemoteCheckpoints.missing`; their
+        CRC-32 is checked as they are downloaded). Combine the ranks' answers with
+        :func:`~bertpipe.training.ckpt_files.agree`."""
         if self.remote is not None:
-            why = self.remote.missing(tag)
+            why = self.remote.missing(tag, markers_required=every_rank)
             if why:
                 return why
         raw = self.read_text(f"{tag}/{STATE_FILE}")
         if raw is None:
             return f"{STATE_FILE} is missing"
-        if self.remote is None:
-            try:
-                world = int(json.loads(raw).get("world_size", 1))
-            except ValueError:
-                return f"{STATE_FILE} does not parse"
-            local = _local_path(self.folder) / tag
+        try:
+            world = int(json.loads(raw).get("world_size", 1))
+        except (ValueError, AttributeError, TypeError):
+            return f"{STATE_FILE} does not parse (truncated?)"
+        if self.remote is not None:
+            return ""
+        local = _local_path(self.folder) / tag
+        if every_rank:
             for rank in range(world):
                 if not (local / _rank_file(rank)).exists():
                     return f"rank {rank}'s file {_rank_file(rank)} is missing"
+        size, me = _process_share()
+        share = [rank for rank in range(world) if rank % size == me]
+        return self.damaged_markers(tag, share, deep=deep, every_rank=every_rank)
+
+    def damaged_markers(
+        self, tag: str, ranks: list[int], *, deep: bool, every_rank: bool = True
+    ) -> str:
+        """Why the completion markers of ``ranks`` in local checkpoint ``tag`` or the files
+        they list are not whole ('' if they are): a marker that does not parse, a file
+        missing or of another size, with ``deep`` one of another CRC-32. Markers saved
+        before the lists existed are checked for presence only (logged)."""
+        local = _local_path(self.folder) / tag
+        unlisted = False
+        for rank in ranks:
+            name = _rank_file(rank)
+            try:
+                raw = (local / name).read_bytes()  # opened: fresh sizes on NFS too
+            except FileNotFoundError:
+                if every_rank:
+                    return f"rank {rank}'s file {name} is missing"
+                continue
+            try:
+                files = json.loads(raw).get("files")
+            except (ValueError, AttributeError):
+                return f"{name} does not parse (truncated?)"
+            if files is None:
+                unlisted = True
+                continue
+            why = ckpt_files.verify(local, files, deep)
+            if why:
+                return why
+        if unlisted:
+            log.info(
+                "checkpoint %s was saved without file sizes (by an older bertpipe): its "
+                "files were checked for presence only",
+                tag,
+            )
         return ""
+
+
+def _process_share() -> tuple[int, int]:
+    """(world size, rank) of this process's job; (1, 0) outside one."""
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 def latest_tag(folder: str) -> str | None:
@@ -405,32 +556,45 @@ def latest_tag(folder: str) -> str | None:
     return text.strip() if text else None
 
 
-def latest_complete_tag(folder: str) -> str | None:
-    """``latest`` if that checkpoint is complete, else (with a warning naming what is
-    missing) the newest complete one in the index; None if the folder has no ``latest``."""
+def latest_complete_tag(folder: str, checksums: bool = True) -> str | None:
+    """``latest`` if that checkpoint is whole (:meth:`_Folder.damaged`: sizes, and the CRC-32
+    of its files with ``checksums``), else the newest whole one of the index, with one
+    warning line naming what was damaged; None if the folder has no checkpoint. Every rank
+    gets the same answer. No whole checkpoint at all: :class:`CheckpointDamagedError`
+    (exit 2)."""
     where = _Folder(folder)
     latest = latest_tag(folder)
-    if latest is None:
-        return None
-    tried = []
-    candidates = [latest] + [
-        e["tag"]
-        for e in sorted(_read_index(folder), key=lambda e: e["global_step"], reverse=True)
-        if e["tag"] != latest
-    ]
+    index = sorted(_read_index(folder), key=lambda e: e["global_step"], reverse=True)
+    present = set(where.tags()) if index else set()
+    candidates = [latest] if latest else []
+    candidates += [e["tag"] for e in index if e["tag"] != latest and e["tag"] in present]
+    skipped: list[tuple[str, str]] = []  # (tag, why)
     for tag in candidates:
-        why = where.missing(tag)
+        why = ckpt_files.agree(where.damaged(tag, deep=checksums))
         if not why:
-            if tried:
-                log.warning("resuming from %s, the newest complete checkpoint", tag)
+            if skipped and _process_share()[1] == 0:  # one line, not one per rank
+                log.warning(
+                    "%s: resuming from %s, the newest whole checkpoint",
+                    _damaged_line(folder, skipped),
+                    tag,
+                )
             return tag
-        log.warning("checkpoint %s in %s is incomplete (%s): skipped", tag, folder, why)
-        tried.append(tag)
-    raise BertpipeError(
-        f"{folder} has no complete checkpoint ({', '.join(tried)} incomplete): resume from "
-        "one with checkpoint.resume=<tag> after restoring its files, or start afresh with "
-        "another checkpoint.dir"
+        skipped.append((tag, why))
+    if not skipped:
+        return None
+    raise CheckpointDamagedError(
+        f"{folder} has no whole checkpoint to resume from: {_damaged_line(folder, skipped)}; "
+        "restore a checkpoint's files and resume from it with checkpoint.resume=<tag>, or "
+        "start afresh with another checkpoint.dir"
     )
+
+
+def _damaged_line(folder: str, skipped: list[tuple[str, str]]) -> str:
+    if len(skipped) == 1:
+        tag, why = skipped[0]
+        return f"checkpoint {tag} in {folder} is incomplete or damaged ({why})"
+    listed = ", ".join(f"{tag} ({why})" for tag, why in skipped)
+    return f"checkpoints {listed} in {folder} are incomplete or damaged"
 
 
 def has_checkpoints(folder: str) -> bool:

@@ -134,7 +134,7 @@ class CheckpointManager:
 
     def resume_point(self) -> ckpt.ResumeState | None:
         """The checkpoint ``checkpoint.resume`` names, its state read once (None: start)."""
-        tag = ckpt.resume_tag(self.folder, self.settings.resume)
+        tag = ckpt.resume_tag(self.folder, self.settings.resume, self.settings.verify_checksums)
         return None if tag is None else self.read(tag)
 
     def read(self, tag: str) -> ckpt.ResumeState:
@@ -257,6 +257,7 @@ class CheckpointManager:
             rank_extra=stage.rank_loop,
             faults=self.faults,
             wait=wait,
+            checksums=self.settings.verify_checksums,
         )
         self.last_saved = ckpt.ResumeState(tag, state, None)
         return self.last_saved

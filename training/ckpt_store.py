@@ -9,7 +9,7 @@ folder, then rank 0 renames ``latest``) cannot work there. Instead:
    the checkpoint, exactly as they would on a shared disk.
 2. **Upload.** A background thread of each rank uploads its files to ``<dir>/<tag>/`` and
    then writes ``bertpipe_upload_rankNNNNN.json``, the list of those files with their sizes
-   and the save's *attempt* id (drawn by rank 0 for this save and broadcast). Training goes
+   and CRC-32 (computed when they were saved) and the save's *attempt* id (drawn by rank 0 for this save and broadcast). Training goes
    on meanwhile; the next save first waits for this one (one checkpoint in flight).
 3. **Publish.** Rank 0's thread then waits until every rank's marker of this attempt is on
    the store and every file it lists is there with its size, writes ``latest`` and reads it
@@ -21,7 +21,8 @@ one is ignored (and overwritten when the resumed run saves that step again: its 
 the new attempt). ``checkpoint.resume=auto`` checks ``latest`` the same way before using it
 and falls back to the newest complete checkpoint in the index, with a log line naming what is
 missing. A rank downloads only what it loads (the shared model states and its own partition),
-into ``<local_dir>/load-rankNNNNN``, deleted after the load.
+into ``<local_dir>/load-rankNNNNN``, checks each file's size and CRC-32 against the marker
+(a file whose content changed on the store: one line, exit 2), and deletes it after the load.
 
 Transient storage errors are retried by the storage client (s3fs/botocore, see
 :mod:`bertpipe.fsio`) and then, per file, with bertpipe's backoff; an upload still failing
@@ -37,7 +38,6 @@ import json
 import logging
 import os
 import posixpath
-import re
 import shutil
 import tempfile
 import threading
@@ -52,10 +52,12 @@ from bertpipe import fsio
 from bertpipe.errors import BertpipeError, StorageAccessError, TransientError
 from bertpipe.staging import is_remote
 from bertpipe.storage_check import describe, is_permanent
+from bertpipe.training.ckpt_files import crc32_file, file_rank
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CheckpointDamagedError",
     "CheckpointUploadError",
     "RemoteCheckpoints",
     "is_remote",
@@ -66,7 +68,10 @@ __all__ = [
 MARKER_PREFIX = "bertpipe_upload_rank"
 DEFAULT_PUBLISH_TIMEOUT_S = 1800.0
 
-_RANK_OF_FILE = re.compile(r"(?:_pp_rank_|bertpipe_rank|bertpipe_upload_rank)0*(\d+)[_.]")
+
+class CheckpointDamagedError(BertpipeError):
+    """A checkpoint file on the store whose content is not what its rank uploaded (another
+    CRC-32 than its marker's, twice): exit 2, retrying cannot mend it."""
 
 
 class CheckpointUploadError(TransientError):
@@ -76,13 +81,6 @@ class CheckpointUploadError(TransientError):
 
 def marker_name(rank: int) -> str:
     return f"{MARKER_PREFIX}{rank:05d}.json"
-
-
-def _file_rank(name: str) -> int | None:
-    """The rank a checkpoint file belongs to (DeepSpeed's ``*_pp_rank_N_*`` partitions and
-    bertpipe's per-rank files); None for files every rank loads (model states, state)."""
-    match = _RANK_OF_FILE.search(posixpath.basename(name))
-    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -174,23 +172,41 @@ class RemoteCheckpoints:
         }
 
     def _markers(self, tag: str, listing: dict[str, int]) -> dict[int, dict[str, Any]]:
+        """Every rank's upload marker of ``tag`` by rank; one that does not parse (damaged)
+        raises :class:`ValueError` naming it."""
         out = {}
         for name in listing:
             if name.startswith(MARKER_PREFIX):
                 text = self.read_text(f"{tag}/{name}")
                 if text is not None:
-                    marker = json.loads(text)
-                    out[int(marker["rank"])] = marker
+                    try:
+                        marker = json.loads(text)
+                        out[int(marker["rank"])] = marker
+                    except (ValueError, KeyError, TypeError) as exc:
+                        raise ValueError(f"{name} does not parse (truncated?)") from exc
         return out
 
-    def missing(self, tag: str, world_size: int | None = None, attempt: str | None = None) -> str:
+    def missing(
+        self,
+        tag: str,
+        world_size: int | None = None,
+        attempt: str | None = None,
+        *,
+        markers_required: bool = True,
+    ) -> str:
         """Why checkpoint ``tag`` on the store is not complete ('' when it is): every rank of
         its world has a marker (of ``attempt``, if given), and every file a marker lists is
-        on the store with the size it had."""
+        on the store with the size it had. Without ``markers_required`` a checkpoint with
+        no marker at all (uploaded by hand: a universal conversion) passes."""
         listing = self._listing(tag)
         if not listing:
             return f"{tag} has no files on the store"
-        markers = self._markers(tag, listing)
+        try:
+            markers = self._markers(tag, listing)
+        except ValueError as exc:
+            return str(exc)
+        if not markers and not markers_required:
+            return ""
         if world_size is None:
             sizes = {int(m.get("world_size", 0)) for m in markers.values()}
             if len(sizes) != 1:
@@ -251,16 +267,19 @@ class RemoteCheckpoints:
         publish: Callable[[], None] | None = None,
         background: bool = True,
         in_upload: Callable[[str], None] = lambda tag: None,
+        checksums: dict[str, str] | None = None,
     ) -> None:
         """Upload this rank's staged files of ``tag``, then its marker; then ``publish``
         (rank 0). In a thread unless ``background`` is false. ``in_upload(tag)`` is called
-        after the first file (tests inject faults there)."""
+        after the first file (tests inject faults there). ``checksums``: the CRC-32 of staged
+        files already computed (name -> hex); the marker lists one for every file."""
+        known = dict(checksums or {})
         self.wait()
         upload = _Upload(tag, threading.Thread())
 
         def work() -> None:
             try:
-                self._upload(tag, rank, world_size, attempt, in_upload)
+                self._upload(tag, rank, world_size, attempt, in_upload, known)
                 if publish is not None:
                     publish()
             except BaseException as exc:  # re-raised by wait() in the training thread
@@ -274,7 +293,7 @@ class RemoteCheckpoints:
                 )
 
         if not background:
-            self._upload(tag, rank, world_size, attempt, in_upload)
+            self._upload(tag, rank, world_size, attempt, in_upload, known)
             if publish is not None:
                 publish()
             return
@@ -284,12 +303,19 @@ class RemoteCheckpoints:
         upload.thread.start()
 
     def _upload(
-        self, tag: str, rank: int, world_size: int, attempt: str, in_upload: Callable[[str], None]
+        self,
+        tag: str,
+        rank: int,
+        world_size: int,
+        attempt: str,
+        in_upload: Callable[[str], None],
+        checksums: dict[str, str],
     ) -> None:
         started = time.monotonic()
         folder = self.staging(rank) / tag
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         listing: dict[str, int] = {}
+        crcs: dict[str, str] = {}
         total = 0
         for i, path in enumerate(files):
             name = path.relative_to(folder).as_posix()
@@ -299,10 +325,17 @@ class RemoteCheckpoints:
                 f"uploading {self.url}/{tag}/{name}",
             )
             listing[name] = path.stat().st_size
+            crcs[name] = checksums.get(name) or crc32_file(path)
             total += listing[name]
             if i == 0:
                 in_upload(tag)
-        marker = {"rank": rank, "world_size": world_size, "attempt": attempt, "files": listing}
+        marker = {
+            "rank": rank,
+            "world_size": world_size,
+            "attempt": attempt,
+            "files": listing,
+            "crc32": crcs,
+        }
         self.write_text(f"{tag}/{marker_name(rank)}", json.dumps(marker, indent=1))
         shutil.rmtree(folder, ignore_errors=True)
         seconds = time.monotonic() - started
@@ -350,11 +383,16 @@ class RemoteCheckpoints:
     def fetched(self, tag: str, rank: int | None, world_size: int | None) -> Iterator[str]:
         """A local folder holding ``<tag>/`` with what rank ``rank`` loads of it (every file
         when ``rank`` is None or the world size differs from the checkpoint's), downloaded
-        and checked against the markers' sizes; deleted afterwards."""
+        and checked against the markers' sizes and CRC-32 (a file whose CRC-32 differs is
+        downloaded once more, then :class:`CheckpointDamagedError`); deleted afterwards."""
         listing = self._listing(tag)
         if not listing:
             raise FileNotFoundError(f"{self.url}/{tag} does not exist: not a checkpoint")
-        markers = self._markers(tag, listing)
+        try:
+            markers = self._markers(tag, listing)
+        except ValueError as exc:
+            raise CheckpointDamagedError(f"{self.url}/{tag}: {exc}: {_EARLIER}") from exc
+        crcs = {n: c for m in markers.values() for n, c in m.get("crc32", {}).items()}
         wanted: dict[str, int] = {}
         if not markers:  # uploaded by hand (e.g. a universal conversion): all of it
             log.warning(
@@ -369,7 +407,7 @@ class RemoteCheckpoints:
         everything = rank is None or saved_world != {world_size}
         for marker in markers.values():
             for name, size in marker["files"].items():
-                owner = _file_rank(name)
+                owner = file_rank(name)
                 if everything or owner is None or owner == rank:
                     wanted[name] = size
         holder = "all" if rank is None else f"{rank:05d}"
@@ -380,15 +418,23 @@ class RemoteCheckpoints:
                 local = root / tag / name
                 local.parent.mkdir(parents=True, exist_ok=True)
                 remote = self._path(tag, name)
-                fsio.retried(
-                    lambda remote=remote, local=local: self.fs.get_file(remote, str(local)),
-                    f"downloading {self.url}/{tag}/{name}",
-                )
-                if local.stat().st_size != size:
-                    raise CheckpointUploadError(
-                        f"{self.url}/{tag}/{name} downloaded with {local.stat().st_size} bytes, "
-                        f"its marker says {size}: rerun to retry"
+                for attempt in (1, 2):  # the file read once: its CRC-32 from the page cache
+                    fsio.retried(
+                        lambda remote=remote, local=local: self.fs.get_file(remote, str(local)),
+                        f"downloading {self.url}/{tag}/{name}",
                     )
+                    if local.stat().st_size != size:
+                        raise CheckpointUploadError(
+                            f"{self.url}/{tag}/{name} downloaded with {local.stat().st_size} "
+                            f"bytes, its marker says {size}: rerun to retry"
+                        )
+                    if name not in crcs or crc32_file(local) == crcs[name]:
+                        break
+                    if attempt == 2:
+                        raise CheckpointDamagedError(
+                            f"{self.url}/{tag}/{name} does not have the CRC-32 its rank "
+                            f"uploaded ({crcs[name]}), downloaded twice: {_EARLIER}"
+                        )
             log.info(
                 "checkpoint %s: downloaded %d file(s), %.1f MB in %.1f s",
                 tag,
@@ -399,6 +445,12 @@ class RemoteCheckpoints:
             yield str(root)
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+_EARLIER = (
+    "the checkpoint is damaged on the store; resume from an earlier one with "
+    "checkpoint.resume=<tag>, or delete this one (resume=auto then takes the newest whole one)"
+)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -363,6 +363,12 @@ class CheckpointConfig:
     with DeepSpeed's ``python -m deepspeed.checkpoint.ds_to_universal --input_folder
     <dir>/global_stepN --output_folder <dir>/global_stepN_universal``, then resume with
     ``checkpoint.resume=global_stepN_universal checkpoint.universal=true``."""
+    verify_checksums: bool = True
+    """Record each checkpoint file's CRC-32 when saving it (beside its size, in the rank's
+    completion marker) and check them at a resume: every rank reads its share of the
+    checkpoint about to be loaded once, and a file that differs makes the resume fall back to
+    the previous whole checkpoint. false: sizes only (a truncated file is still caught). On
+    object storage the CRC-32 is checked as each file is downloaded."""
     allow_data_change: bool = False
     """Resume even if a phase's data manifest differs from the one the checkpoint was trained
     on (its sha256 is stored in the checkpoint). By default such a resume is refused: the

@@ -145,7 +145,8 @@ class Trainer:
 
     def start_point(self) -> tuple[int, ckpt.ResumeState | None]:
         """(first phase to run, the checkpoint to continue from), its state read once."""
-        tag = ckpt.resume_tag(self.folder, self.cfg.checkpoint.resume)
+        checksums = self.cfg.checkpoint.verify_checksums
+        tag = ckpt.resume_tag(self.folder, self.cfg.checkpoint.resume, checksums)
         names = [p.name for p in self.cfg.phases]
         if self.cfg.only_phase is not None:
             index = names.index(self.cfg.only_phase)
@@ -157,6 +158,7 @@ class Trainer:
                         f"{self.cfg.only_phase} starts from {names[index - 1]}'s final checkpoint, "
                         f"which is not in {self.folder}: run {names[index - 1]} first",
                     )
+                ckpt.check_named(self.folder, tag, checksums)
             return index, None if tag is None else self.checkpoints.read(tag)
         if tag is None:
             return 0, None
