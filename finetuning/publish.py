@@ -13,7 +13,6 @@ from bertpipe import tracking
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.data import TaskData
 from bertpipe.finetuning.tasks.base import TaskSpec
-from bertpipe.training.export import TOKENIZER_FILES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -28,16 +27,16 @@ TAG_REGISTERED = tracking.TAG_REGISTERED
 def save_best(module: nn.Module, output: Path, tokenizer_dir: str, spec: TaskSpec) -> Path:
     """Write ``module`` (the engine's model) as ``<output>/best``, an HF folder with the
     tokenizer's files and the task's label names (rank 0)."""
+    from bertpipe.preprocessing.tokenizer import load_tokenizer, tokenizer_files
     from bertpipe.training.hf import save_hf_folder
 
     best = output / "best"
     if best.exists():
         shutil.rmtree(best)
-    extra = {}
-    for name in TOKENIZER_FILES:
-        path = Path(tokenizer_dir) / name
-        if path.exists():
-            extra[name] = path.read_bytes()
+    # the files of the tokenizer the run used, written from it (transformers then gives its
+    # ids), not copied from the folder (an older tokenizer_config.json lacked settings)
+    max_length = getattr(getattr(module, "config", None), "max_position_embeddings", 512)
+    extra = tokenizer_files(load_tokenizer(tokenizer_dir), model_max_length=max_length)
     save_hf_folder(module, best, extra_files=extra)
     if spec.labels:
         config = json.loads((best / "config.json").read_text())

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from bertpipe.config import ConfigError
 from bertpipe.preprocessing.quality import QualityConfig
 from bertpipe.preprocessing.readers import InputConfig
 from bertpipe.tracking import TrackingConfig
+
+if TYPE_CHECKING:
+    from bertpipe.preprocessing.tokenizer import Normalisation
 
 __all__ = ["MaskingConfig", "PhaseConfig", "PreprocessConfig", "TokenizerConfig"]
 
@@ -27,9 +30,21 @@ class TokenizerConfig:
     vocab_size: int = 30522
     """Target vocabulary size, special tokens included."""
     lowercase: bool = True
-    """Uncased model: lower-case and strip accents (BERT's BasicTokenizer)."""
+    """Uncased model: lower-case and strip accents (BERT's BasicTokenizer). For text in
+    scripts without case (Korean, Japanese, Chinese) the cased model, ``lowercase=false``,
+    is Google's advice (configs/tokenizer-ko.yaml)."""
     strip_accents: bool | None = None
-    """Null follows ``lowercase``, as BERT does."""
+    """Remove accents (``café`` -> ``cafe``); null follows ``lowercase``, as BERT does."""
+    accent_marks: Literal["diacritics", "all"] = "diacritics"
+    """What accent stripping removes: ``diacritics``, the combining diacritical marks of
+    Latin, Greek and Cyrillic letters (then recomposed: Hangul syllables, kana voicing marks,
+    Indic and Thai vowel signs stay whole); ``all``, Google BERT's stripping (every
+    nonspacing mark after NFD, nothing recomposed: Hangul becomes jamo, ``が`` becomes
+    ``か``), only to reproduce one of Google's uncased vocabularies exactly."""
+    tokenize_chinese_chars: bool = True
+    """A CJK ideograph (Chinese, Japanese kanji, Korean hanja) is a word of its own."""
+    clean_text: bool = True
+    """Drop control characters and make every white space a plain space."""
     special_tokens: list[str] = field(
         default_factory=lambda: ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     )
@@ -49,6 +64,18 @@ class TokenizerConfig:
     overwrite: bool = False
     """Replace a tokenizer already in ``output``."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def normalisation(self) -> Normalisation:
+        """The tokenizer's text normalisation these settings give."""
+        from bertpipe.preprocessing.tokenizer import Normalisation
+
+        return Normalisation(
+            lowercase=self.lowercase,
+            strip_accents=self.strip_accents,
+            accent_marks=self.accent_marks,
+            tokenize_chinese_chars=self.tokenize_chinese_chars,
+            clean_text=self.clean_text,
+        )
 
     def check_runnable(self) -> None:
         """What a run needs beyond a valid config (recipes may leave the inputs open)."""

@@ -125,7 +125,9 @@ def _train_tokenizer(cfg: TokenizerConfig, files: list[str]) -> dict[str, Any]:
     started = time.monotonic()
     counts: Counter[str] = Counter()
     if cfg.vocab_file:
-        tokenizer = build_from_vocab(read_vocab_txt(cfg.vocab_file), lowercase=cfg.lowercase)
+        tokenizer = build_from_vocab(
+            read_vocab_txt(cfg.vocab_file), normalisation=cfg.normalisation()
+        )
         SpecialTokens.from_tokenizer(tokenizer, cfg.vocab_file)
     else:
 
@@ -136,8 +138,7 @@ def _train_tokenizer(cfg: TokenizerConfig, files: list[str]) -> dict[str, Any]:
         tokenizer = train_wordpiece(
             sample,
             vocab_size=cfg.vocab_size,
-            lowercase=cfg.lowercase,
-            strip_accents=cfg.strip_accents,
+            normalisation=cfg.normalisation(),
             min_frequency=cfg.min_frequency,
             limit_alphabet=cfg.limit_alphabet,
             special_tokens=cfg.special_tokens,
@@ -147,7 +148,7 @@ def _train_tokenizer(cfg: TokenizerConfig, files: list[str]) -> dict[str, Any]:
             raise NoTrainingDataError(_nothing_sampled(cfg, files, counts))
         if tokenizer.get_vocab_size() < cfg.vocab_size:
             _warn_small_vocabulary(cfg, tokenizer.get_vocab_size(), sample, counts)
-    save_tokenizer(tokenizer, cfg.output, lowercase=cfg.lowercase)
+    save_tokenizer(tokenizer, cfg.output)
     summary = {
         "vocab_size": tokenizer.get_vocab_size(),
         "tokenizer_sha256": tokenizer_checksum(tokenizer),
@@ -217,9 +218,7 @@ def _warn_small_vocabulary(
 ) -> None:
     """One warning line when the vocabulary came out smaller than ``vocab_size``: what the
     sample holds (read once more: a sample this small is quick to read) and what to change."""
-    words, characters = sample_statistics(
-        sample(), lowercase=cfg.lowercase, strip_accents=cfg.strip_accents
-    )
+    words, characters = sample_statistics(sample(), normalisation=cfg.normalisation())
     frequent = sum(1 for n in words.values() if n >= cfg.min_frequency)
     capped = [
         f"{key}={value}"

@@ -1,14 +1,24 @@
 """The BERT WordPiece tokenizer: trained with HF ``tokenizers`` or built from a ``vocab.txt``.
 
-A tokenizer folder holds ``tokenizer.json`` (the full HF tokenizer), ``vocab.txt`` (one
-token per line in id order, the Google/HF format) and ``tokenizer_config.json`` (what
-``transformers.BertTokenizerFast`` needs). Special token ids are whatever the vocabulary
-says: a trained vocabulary puts them first, Google's uncased one at 0 and 100-103, so
-every consumer reads them through :class:`SpecialTokens`, never as constants.
+A tokenizer folder holds ``tokenizer.json`` (the full HF tokenizer, the source of truth),
+``vocab.txt`` (one token per line in id order, the Google/HF format) and
+``tokenizer_config.json`` (what ``transformers.AutoTokenizer`` reads: every normaliser
+setting, so that it gives exactly bertpipe's ids; see :func:`tokenizer_files`). Special
+token ids are whatever the vocabulary says: a trained vocabulary puts them first, Google's
+uncased one at 0 and 100-103, so every consumer reads them through :class:`SpecialTokens`,
+never as constants.
+
+Normalisation (:class:`Normalisation`) never damages a script: accent stripping removes the
+combining diacritical marks of Latin, Greek and Cyrillic and recomposes what is left (NFC),
+so Hangul syllables, kana voicing marks and the vowel signs of Indic, Thai, Arabic or
+Hebrew text stay whole. Google BERT's own stripping (every nonspacing mark after NFD, no
+recomposition: Hangul comes out as conjoining jamo) is ``accent_marks="all"``, kept to
+reproduce Google's uncased vocabularies.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -16,8 +26,17 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Literal
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 from tokenizers.trainers import WordPieceTrainer
 
 from bertpipe import fsio
@@ -26,9 +45,11 @@ from bertpipe.errors import BertpipeError
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "DIACRITICS",
     "MAX_WORD_CHARS",
     "SPECIAL_TOKENS",
     "CorpusEncoder",
+    "Normalisation",
     "SpecialTokens",
     "TokenizerMismatchError",
     "build_from_vocab",
@@ -36,6 +57,7 @@ __all__ = [
     "sample_statistics",
     "save_tokenizer",
     "tokenizer_checksum",
+    "tokenizer_files",
     "train_wordpiece",
 ]
 
@@ -80,14 +102,158 @@ class SpecialTokens:
         return (self.pad, self.unk, self.cls, self.sep, self.mask)
 
 
-def _configure(tokenizer: Tokenizer, lowercase: bool, strip_accents: bool | None) -> Tokenizer:
+DIACRITICS = "[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]"
+"""The marks that ``strip_accents`` removes (by default): Unicode's combining diacritical
+mark blocks (Combining Diacritical Marks, its Extended and Supplement blocks, those for
+symbols, half marks), the accents of Latin, Greek and Cyrillic letters after canonical
+decomposition. A script's own marks (kana voicing, Indic/Thai vowel signs and viramas,
+Arabic and Hebrew points) are outside them."""
+
+_HANGUL = re.compile("[\uac00-\ud7a3]")
+
+
+@dataclass(frozen=True)
+class Normalisation:
+    """What a BERT tokenizer does to text before splitting it into words.
+
+    Built into ``tokenizer.json`` (:meth:`normalizer`), read back from one (:meth:`of`) and
+    written into ``tokenizer_config.json`` (:meth:`transformers_config`), so that every
+    reader of a tokenizer folder normalises alike.
+    """
+
+    lowercase: bool = True
+    """Lower-case the text (an uncased model)."""
+    strip_accents: bool | None = None
+    """Remove accents; null follows ``lowercase``, as BERT does."""
+    accent_marks: Literal["diacritics", "all"] = "diacritics"
+    """Which marks accent stripping removes: ``diacritics`` (:data:`DIACRITICS` after NFD,
+    then NFC: ``é`` -> ``e``, Hangul syllables and every script's own marks kept) or
+    ``all`` (Google BERT's and ``tokenizers``' ``BertNormalizer``: every nonspacing mark
+    after NFD, nothing recomposed: Hangul becomes conjoining jamo, ``が`` becomes ``か``,
+    Devanagari and Thai lose their vowel signs)."""
+    tokenize_chinese_chars: bool = True
+    """Put spaces around every CJK ideograph (Chinese, and the kanji and hanja of Japanese
+    and Korean text), so each is a word of its own."""
+    clean_text: bool = True
+    """Drop control characters and turn every white space into a plain space."""
+
+    @property
+    def strips(self) -> bool:
+        """Whether accents are stripped (``strip_accents`` resolved)."""
+        return self.lowercase if self.strip_accents is None else self.strip_accents
+
+    def resolved(self) -> Normalisation:
+        """The same normalisation with ``strip_accents`` spelled out (and ``accent_marks`` at
+        its default when nothing is stripped): what :meth:`of` reads back."""
+        return dataclasses.replace(
+            self,
+            strip_accents=self.strips,
+            accent_marks=self.accent_marks if self.strips else "diacritics",
+        )
+
+    @property
+    def decomposes_hangul(self) -> bool:
+        """Whether Hangul syllables come out as conjoining jamo (Google's stripping)."""
+        return self.strips and self.accent_marks == "all"
+
+    def normalizer(self) -> normalizers.Normalizer:
+        """The ``tokenizers`` normaliser: a ``BertNormalizer``, followed, when ``diacritics``
+        are stripped, by NFD, the removal of :data:`DIACRITICS` and NFC."""
+        google = self.accent_marks == "all"
+        bert = normalizers.BertNormalizer(
+            clean_text=self.clean_text,
+            handle_chinese_chars=self.tokenize_chinese_chars,
+            strip_accents=self.strips and google,
+            lowercase=self.lowercase,
+        )
+        if not self.strips or google:
+            return bert
+        return normalizers.Sequence(
+            [
+                bert,
+                normalizers.NFD(),
+                normalizers.Replace(Regex(DIACRITICS), ""),
+                normalizers.NFC(),
+            ]
+        )
+
+    @property
+    def is_bert_normalizer(self) -> bool:
+        """Whether transformers' ``BertTokenizer`` rebuilds this normaliser from
+        ``tokenizer_config.json`` (it always cleans text, and strips Google's way)."""
+        return self.clean_text and (not self.strips or self.accent_marks == "all")
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> Normalisation | None:
+        """The normalisation of ``tokenizer`` (None for a normaliser bertpipe does not build:
+        a tokenizer.json from elsewhere)."""
+        state = json.loads(tokenizer.to_str()).get("normalizer")
+        return cls.from_json(state) if isinstance(state, dict) else None
+
+    @classmethod
+    def from_json(cls, state: dict[str, Any]) -> Normalisation | None:
+        """The normalisation of a ``tokenizer.json`` ``normalizer`` entry, or None."""
+        steps = state.get("normalizers") if state.get("type") == "Sequence" else [state]
+        if not isinstance(steps, list) or not steps or steps[0].get("type") != "BertNormalizer":
+            return None
+        bert = steps[0]
+        lowercase = bool(bert.get("lowercase", True))
+        google_strip = bert.get("strip_accents")
+        google_strip = lowercase if google_strip is None else bool(google_strip)
+        common = {
+            "lowercase": lowercase,
+            "tokenize_chinese_chars": bool(bert.get("handle_chinese_chars", True)),
+            "clean_text": bool(bert.get("clean_text", True)),
+        }
+        if len(steps) == 1:
+            marks = "all" if google_strip else "diacritics"
+            return cls(strip_accents=google_strip, accent_marks=marks, **common)
+        tail = [step.get("type") for step in steps[1:]]
+        pattern = (steps[2].get("pattern") or {}).get("Regex") if len(steps) > 2 else None
+        if (
+            google_strip
+            or tail != ["NFD", "Replace", "NFC"]
+            or pattern != DIACRITICS
+            or steps[2].get("content") != ""
+        ):
+            return None
+        return cls(strip_accents=True, accent_marks="diacritics", **common)
+
+    @classmethod
+    def from_transformers(cls, config: dict[str, Any]) -> Normalisation:
+        """What transformers' ``BertTokenizer`` makes of a ``tokenizer_config.json``: its
+        normaliser is Google's (``BertNormalizer``, text always cleaned)."""
+        strip = config.get("strip_accents")
+        return cls(
+            lowercase=bool(config.get("do_lower_case", True)),
+            strip_accents=None if strip is None else bool(strip),
+            accent_marks="all",
+            tokenize_chinese_chars=bool(config.get("tokenize_chinese_chars", True)),
+            clean_text=True,
+        ).resolved()
+
+    def transformers_config(self) -> dict[str, Any]:
+        """The normaliser's entries of ``tokenizer_config.json``: every setting, explicit.
+        A normaliser that ``BertTokenizer`` rebuilds from them exactly is named
+        ``BertTokenizer``; any other is ``PreTrainedTokenizerFast``, which transformers
+        loads from ``tokenizer.json`` as it is (``BertTokenizer`` would rebuild Google's
+        normaliser from these settings and strip Hangul into jamo, or keep control
+        characters it should not)."""
+        return {
+            "tokenizer_class": (
+                "BertTokenizer" if self.is_bert_normalizer else "PreTrainedTokenizerFast"
+            ),
+            "do_lower_case": self.lowercase,
+            "strip_accents": self.strips,
+            "accent_marks": self.accent_marks,
+            "tokenize_chinese_chars": self.tokenize_chinese_chars,
+            "clean_text": self.clean_text,
+        }
+
+
+def _configure(tokenizer: Tokenizer, normalisation: Normalisation) -> Tokenizer:
     """Give a WordPiece model BERT's normaliser, pre-tokeniser, decoder and post-processor."""
-    tokenizer.normalizer = normalizers.BertNormalizer(
-        clean_text=True,
-        handle_chinese_chars=True,
-        strip_accents=lowercase if strip_accents is None else strip_accents,
-        lowercase=lowercase,
-    )
+    tokenizer.normalizer = normalisation.normalizer()
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece(prefix="##")
     return tokenizer
@@ -110,6 +276,7 @@ def train_wordpiece(
     vocab_size: int = 30522,
     lowercase: bool = True,
     strip_accents: bool | None = None,
+    normalisation: Normalisation | None = None,
     min_frequency: int = 2,
     limit_alphabet: int = 1000,
     special_tokens: Iterable[str] = SPECIAL_TOKENS,
@@ -124,7 +291,10 @@ def train_wordpiece(
 
     ``texts`` is a sequence or a function returning a fresh iterable: it is read twice.
     The special tokens get the first ids, then the ``##`` continuation of every alphabet
-    character, then the alphabet, then the learnt pieces.
+    character, then the alphabet, then the learnt pieces. ``normalisation``, when given,
+    replaces ``lowercase`` and ``strip_accents``; with Google's accent stripping
+    (``accent_marks="all"``) a sample holding Hangul gets one warning (its syllables are
+    learnt as conjoining jamo).
 
     Deterministic for the same texts in the same order. ``tokenizers``' trainer on its own
     is not (huggingface/tokenizers#1794): it numbers the ``##x`` pieces in hash-map order
@@ -139,20 +309,29 @@ def train_wordpiece(
     if missing:
         raise TokenizerMismatchError(f"special_tokens must include {', '.join(missing)}")
     source = texts if callable(texts) else (lambda: texts)
+    norm = normalisation or Normalisation(lowercase=lowercase, strip_accents=strip_accents)
     tokenizer = _configure(
         Tokenizer(models.WordPiece(unk_token="[UNK]", max_input_chars_per_word=MAX_WORD_CHARS)),
-        lowercase,
-        strip_accents,
+        norm,
     )
     # a separate tokenizer for the filter: the one being trained is locked while it reads
-    probe = _configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase, strip_accents)
+    probe = _configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), norm)
     dropped: Counter[str] = Counter()
 
     def read() -> Iterator[str]:  # each pass counts afresh: the second one is reported
         dropped.clear()
         return _without_long_words(source(), probe, dropped)
 
-    alphabet = _alphabet(tokenizer, read(), limit_alphabet)
+    hangul = Counter[str]() if norm.decomposes_hangul else None
+    alphabet = _alphabet(tokenizer, read(), limit_alphabet, hangul)
+    if hangul:
+        log.warning(
+            "tokenizer: Google's accent stripping (accent_marks=all) decomposed %d Hangul "
+            "syllable(s) of the sample into conjoining jamo: the vocabulary is learnt in jamo, "
+            "not syllables; leave accent_marks at diacritics (the default) or set "
+            "strip_accents=false",
+            hangul["syllables"],
+        )
     pieces = [f"##{c}" for c in alphabet if f"##{c}" not in specials]
     trainer = WordPieceTrainer(
         vocab_size=vocab_size,
@@ -174,9 +353,7 @@ def train_wordpiece(
         )
         if counts is not None:
             counts.update(dropped)
-    return build_from_vocab(
-        vocab_in_order(tokenizer), lowercase=lowercase, strip_accents=strip_accents
-    )
+    return build_from_vocab(vocab_in_order(tokenizer), normalisation=norm)
 
 
 def _without_long_words(
@@ -205,12 +382,18 @@ def _without_long_words(
             yield " ".join(kept)
 
 
-def _alphabet(tokenizer: Tokenizer, texts: Iterable[str], limit: int) -> list[str]:
-    """The ``limit`` most frequent characters of the normalised texts (ties by character)."""
+def _alphabet(
+    tokenizer: Tokenizer, texts: Iterable[str], limit: int, hangul: Counter[str] | None = None
+) -> list[str]:
+    """The ``limit`` most frequent characters of the normalised texts (ties by character).
+    ``hangul``: count the Hangul syllables of the texts (before normalisation) into it."""
     counts: Counter[str] = Counter()
     normalizer = tokenizer.normalizer
     for batch in batched(texts, 4096):
-        normalized = normalizer.normalize_str("\n".join(batch)) if normalizer else "\n".join(batch)
+        joined = "\n".join(batch)
+        if hangul is not None:
+            hangul["syllables"] += len(_HANGUL.findall(joined))
+        normalized = normalizer.normalize_str(joined) if normalizer else joined
         counts.update(normalized)
     for space in (" ", "\n", "\t", "\r"):
         counts.pop(space, None)
@@ -219,13 +402,18 @@ def _alphabet(tokenizer: Tokenizer, texts: Iterable[str], limit: int) -> list[st
 
 
 def sample_statistics(
-    texts: Iterable[str], *, lowercase: bool = True, strip_accents: bool | None = None
+    texts: Iterable[str],
+    *,
+    lowercase: bool = True,
+    strip_accents: bool | None = None,
+    normalisation: Normalisation | None = None,
 ) -> tuple[Counter[str], set[str]]:
     """The words of ``texts`` as the trainer sees them (BERT's normaliser, then its
     pre-tokeniser: white space and punctuation split, a CJK ideograph is a word of its own)
     with their counts, and the distinct characters among them: what a vocabulary learned
     from ``texts`` is made of."""
-    probe = _configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), lowercase, strip_accents)
+    norm = normalisation or Normalisation(lowercase=lowercase, strip_accents=strip_accents)
+    probe = _configure(Tokenizer(models.WordPiece(unk_token="[UNK]")), norm)
     normalizer, pre_tokenizer = probe.normalizer, probe.pre_tokenizer
     words: Counter[str] = Counter()
     for batch in batched(texts, 4096):
@@ -235,9 +423,14 @@ def sample_statistics(
 
 
 def build_from_vocab(
-    vocab: Iterable[str], *, lowercase: bool = True, strip_accents: bool | None = None
+    vocab: Iterable[str],
+    *,
+    lowercase: bool = True,
+    strip_accents: bool | None = None,
+    normalisation: Normalisation | None = None,
 ) -> Tokenizer:
-    """A BERT tokenizer over an existing vocabulary (e.g. Google's 30,522-token ``vocab.txt``)."""
+    """A BERT tokenizer over an existing vocabulary (e.g. Google's 30,522-token ``vocab.txt``).
+    ``normalisation``, when given, replaces ``lowercase`` and ``strip_accents``."""
     table: dict[str, int] = {}
     for token in vocab:
         if token in table:
@@ -252,8 +445,7 @@ def build_from_vocab(
         Tokenizer(
             models.WordPiece(table, unk_token="[UNK]", max_input_chars_per_word=MAX_WORD_CHARS)
         ),
-        lowercase,
-        strip_accents,
+        normalisation or Normalisation(lowercase=lowercase, strip_accents=strip_accents),
     )
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     return _add_post_processor(tokenizer)
@@ -275,32 +467,63 @@ def vocab_in_order(tokenizer: Tokenizer) -> list[str]:
     return ordered
 
 
-def save_tokenizer(tokenizer: Tokenizer, folder: str, *, lowercase: bool) -> None:
-    """Write ``tokenizer.json``, ``vocab.txt`` and ``tokenizer_config.json`` into ``folder``."""
-    fsio.atomic_write_text(
-        fsio.join(folder, "vocab.txt"), "\n".join(vocab_in_order(tokenizer)) + "\n"
+def tokenizer_files(tokenizer: Tokenizer, *, model_max_length: int = 512) -> dict[str, bytes]:
+    """``vocab.txt``, ``tokenizer.json`` and ``tokenizer_config.json`` of ``tokenizer``
+    (name -> bytes), written from the tokenizer itself, so the three always agree.
+
+    ``tokenizer_config.json`` spells out every normaliser setting
+    (:meth:`Normalisation.transformers_config`): transformers' ``BertTokenizer`` rebuilds
+    its normaliser from these settings and ignores the one in ``tokenizer.json``, taking
+    defaults for any it does not find. A normaliser it cannot rebuild (bertpipe's accent
+    stripping, text not cleaned, or one bertpipe does not know) is named
+    ``PreTrainedTokenizerFast``, which loads ``tokenizer.json`` as it is.
+    """
+    norm = Normalisation.of(tokenizer)
+    normaliser = (
+        norm.transformers_config()
+        if norm is not None
+        else {"tokenizer_class": "PreTrainedTokenizerFast"}
     )
-    fsio.atomic_write_text(fsio.join(folder, "tokenizer.json"), tokenizer.to_str(pretty=True))
     config = {
-        "tokenizer_class": "BertTokenizer",
-        "do_lower_case": lowercase,
-        "model_max_length": 512,
+        **normaliser,
+        "model_max_length": model_max_length,
+        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
         "pad_token": "[PAD]",
         "unk_token": "[UNK]",
         "cls_token": "[CLS]",
         "sep_token": "[SEP]",
         "mask_token": "[MASK]",
     }
-    fsio.atomic_write_text(
-        fsio.join(folder, "tokenizer_config.json"), json.dumps(config, indent=2) + "\n"
-    )
+    return {
+        "vocab.txt": ("\n".join(vocab_in_order(tokenizer)) + "\n").encode("utf-8"),
+        "tokenizer.json": tokenizer.to_str(pretty=True).encode("utf-8"),
+        "tokenizer_config.json": (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode(
+            "utf-8"
+        ),
+    }
+
+
+def save_tokenizer(tokenizer: Tokenizer, folder: str, *, lowercase: bool | None = None) -> None:
+    """Write ``tokenizer.json``, ``vocab.txt`` and ``tokenizer_config.json`` into ``folder``
+    (:func:`tokenizer_files`). ``lowercase``, if given, must be what the tokenizer does."""
+    if lowercase is not None:
+        norm = Normalisation.of(tokenizer)
+        if norm is not None and norm.lowercase != lowercase:
+            raise TokenizerMismatchError(
+                f"the tokenizer {'lower-cases' if norm.lowercase else 'keeps the case'} but "
+                f"lowercase={lowercase} was asked for: rebuild it with that setting"
+            )
+    for name, data in tokenizer_files(tokenizer).items():
+        fsio.atomic_write_text(fsio.join(folder, name), data.decode("utf-8"))
 
 
 def load_tokenizer(location: str, *, lowercase: bool = True) -> Tokenizer:
     """Load a tokenizer folder (``tokenizer.json`` preferred), a tokenizer.json or a vocab.txt.
 
-    ``lowercase`` only matters for a bare ``vocab.txt``. When a folder holds both files
-    they must agree token for token.
+    A bare ``vocab.txt`` gets bertpipe's normalisation, uncased as ``lowercase`` says; one in
+    a folder with a ``tokenizer_config.json`` (a transformers folder without
+    ``tokenizer.json``) gets what transformers' ``BertTokenizer`` makes of that file. When a
+    folder holds both files they must agree token for token.
     """
     if location.endswith(".json"):
         return _load_json(location)
@@ -315,7 +538,14 @@ def load_tokenizer(location: str, *, lowercase: bool = True) -> Tokenizer:
             "run `bertpipe tokenizer train` or point at a vocab.txt"
         )
     if not has_json:
-        return build_from_vocab(read_vocab_txt(vocab_url), lowercase=lowercase)
+        config_url = fsio.join(location, "tokenizer_config.json")
+        norm = Normalisation(lowercase=lowercase)
+        if fsio.exists(config_url):
+            with fsio.open_url(config_url, "rb") as f:
+                config = fsio.parse_json(f.read(), config_url, "fix or remove it")
+            if isinstance(config, dict):
+                norm = Normalisation.from_transformers(config)
+        return build_from_vocab(read_vocab_txt(vocab_url), normalisation=norm)
     tokenizer = _load_json(json_url)
     if has_vocab and read_vocab_txt(vocab_url) != vocab_in_order(tokenizer):
         raise TokenizerMismatchError(

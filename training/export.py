@@ -5,6 +5,8 @@ The folder holds ``config.json`` and ``model.safetensors`` (``BertForPreTraining
 tokenizer's ``vocab.txt``, ``tokenizer.json`` and ``tokenizer_config.json``, so
 ``AutoModelForMaskedLM.from_pretrained(folder)`` and ``AutoTokenizer.from_pretrained(folder)``
 both work, and so does ``model.init_from`` of bertpipe's own pre-training and fine-tuning.
+The tokenizer files are written from the tokenizer the data was made with (never copied), so
+``AutoTokenizer`` gives exactly its ids (``preprocessing.tokenizer.tokenizer_files``).
 
 Weights come from the fp32 master copies where DeepSpeed keeps them (ZeRO 1-3:
 ``deepspeed.utils.zero_to_fp32``), else from the module weights of the model-states file
@@ -41,8 +43,6 @@ from bertpipe.training.families import config_from_dict, pretraining_model
 log = logging.getLogger(__name__)
 
 __all__ = ["export_checkpoint", "load_checkpoint_model", "tokenizer_folder"]
-
-TOKENIZER_FILES = ("vocab.txt", "tokenizer.json", "tokenizer_config.json")
 
 
 class ExportError(BertpipeError):
@@ -167,7 +167,7 @@ def export_checkpoint(
     error, if that store or run cannot be reached). ``register``: also register the model
     under this name in the MLflow model registry (any MLflow failure is then an error naming
     ``uri_key``)."""
-    from bertpipe.preprocessing.tokenizer import load_tokenizer
+    from bertpipe.preprocessing.tokenizer import load_tokenizer, tokenizer_files
 
     model, state = load_checkpoint_model(folder, tag)
     source = tokenizer_folder(state, tokenizer)
@@ -177,12 +177,9 @@ def export_checkpoint(
             f"tokenizer {source} has {tok.get_vocab_size()} tokens, the model "
             f"{model.config.vocab_size}: pass the tokenizer the data was made with"
         )
-    extra = {}
-    for name in TOKENIZER_FILES:
-        url = fsio.join(source, name)
-        if fsio.exists(url):
-            with fsio.open_url(url, "rb") as f:
-                extra[name] = f.read()
+    # written from the tokenizer, not copied: a tokenizer_config.json of an older bertpipe
+    # lacked settings that transformers then took defaults for (Korean turned into [UNK])
+    extra = tokenizer_files(tok, model_max_length=model.config.max_position_embeddings)
     tag = tag or ckpt.latest_tag(folder)
     with staging.writable_copy(out) as target:  # object storage: uploaded at the end
         info = _write_export(model, state, folder, str(tag), source, tok, target, extra)
