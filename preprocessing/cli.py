@@ -41,12 +41,15 @@ def _tokenizer_train(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(TokenizerConfig, args, ["overwrite=true"] if args.overwrite else [])
     if cfg is None:  # --print-config: Beam is not imported
         return 0
-    from bertpipe.preprocessing.run import train_tokenizer
+    from bertpipe import tracking
 
     reads = [("input.paths", p) for p in cfg.input.paths]
     if cfg.vocab_file:
         reads.append(("vocab_file", cfg.vocab_file))
     preflight(reads, [("output", cfg.output)])
+    tracking.check_new_run(cfg.tracking)  # before Beam is imported
+    from bertpipe.preprocessing.run import train_tokenizer
+
     summary = train_tokenizer(cfg)
     write_resolved_config(cfg, cfg.output)
     sys.stdout.write(json.dumps(summary) + "\n")
@@ -88,12 +91,16 @@ def _preprocess(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(PreprocessConfig, args, ["overwrite=true"] if args.overwrite else [])
     if cfg is None:
         return 0
-    from bertpipe.preprocessing.run import run_preprocess
+    from bertpipe import tracking
 
     preflight(
         [*(("input.paths", p) for p in cfg.input.paths), ("tokenizer", cfg.tokenizer)],
         [("output", cfg.output)],
     )
+    if not args.dry_run_quality:  # the dry run opens no MLflow run
+        tracking.check_new_run(cfg.tracking)  # before Beam is imported
+    from bertpipe.preprocessing.run import run_preprocess
+
     if args.dry_run_quality:
         from bertpipe.preprocessing.quality_report import run_quality_report
 

@@ -118,7 +118,8 @@ class TrackingConfig:
     system_metrics: bool = True
     """Log the machine's CPU, memory, disk and network use (and each GPU's utilisation and
     memory where ``nvidia-ml-py`` is installed) into the run as ``system/*`` metrics, sampled
-    by MLflow's own monitor in the rank-0 process every ``system_metrics_interval_s``."""
+    with MLflow's own samplers in the rank-0 process every ``system_metrics_interval_s``;
+    kept through an outage of the store like the other metrics."""
     system_metrics_interval_s: float = 10.0
     """Seconds between two system-metrics samples."""
 
