@@ -188,6 +188,8 @@ def test_a_user_who_is_not_root_keeps_artifacts_beside_a_store_in_their_home(
             f"--reuid={entry.pw_uid}",
             f"--regid={entry.pw_gid}",
             "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",  # no capability left: the user's own permissions only
             sys.executable,
             "-c",
             _CHILD,
