@@ -101,7 +101,7 @@ def next_system_step(outbox: Outbox, resumed: bool) -> int:
 
         with quick_http():
             run = mlflow.MlflowClient().get_run(outbox.run_id)
-        for metric in run.data._metric_objs:
+        for metric in getattr(run.data, "_metric_objs", None) or []:  # each key's last point
             if metric.key.startswith(SYSTEM_PREFIX):
                 last = max(last, int(metric.step))
     except Exception as exc:  # the store is down: the buffer tells what it holds
