@@ -315,10 +315,13 @@ def test_quick_http_settings_are_restored_when_threads_leave_out_of_order(
     assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
 
 
-def test_the_early_check_skips_resumed_runs_and_disabled_tracking(tmp_path: Path) -> None:
+def test_the_early_check_skips_resumed_runs_and_disabled_tracking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``check_new_run`` (pretrain, finetune and sweep call it before DeepSpeed starts)
     refuses a new run without its server, and leaves a run that will resume from
     ``latest`` to go on while the server is down, as before."""
+    monkeypatch.setattr(tracking_client, "PROBE_SECONDS", 0.0)  # one attempt
     cfg = tracking.TrackingConfig(uri=f"http://127.0.0.1:{free_port()}")
     checkpoints = tmp_path / "checkpoints"
     with pytest.raises(tracking_client.TrackingUnreachableError):
