@@ -1,9 +1,11 @@
 """Checkpoints on a real S3 server (``checkpoint.dir=s3://…``), shards streamed from it too:
-a 2-rank run killed in the middle of an upload resumes from the
-previous complete checkpoint bit for bit; a checkpoint missing one rank's file is skipped
-with a log line; a rank that never uploads keeps the checkpoint unpublished. SIGTERM in the
-middle of an upload, through injected storage faults:
-``tests/training/test_pretrain.py::test_resume_after_sigterm_is_exact``."""
+a 2-rank run killed in the middle of an upload resumes from the previous complete checkpoint
+bit for bit; so does the finished run after its newest checkpoint's model states were
+truncated on the store; a checkpoint missing one rank's file is skipped with a log line, and
+with rank 0's marker of the one before truncated too none is left (one line); a file whose
+content changed on the store (same size) is refused on download by its CRC-32; a rank that
+never uploads keeps the checkpoint unpublished. SIGTERM in the middle of an upload, through
+injected storage faults: ``tests/training/test_pretrain.py::test_resume_after_sigterm_is_exact``."""
 
 from __future__ import annotations
 
@@ -108,18 +110,44 @@ def test_two_ranks_killed_mid_upload_resume_exactly(
     assert index == ["global_step8", "global_step12"]  # keep_last=2, pruned on the store
     assert ckpt.tags(folder) == ["global_step12", "global_step8"]
 
-    # one rank's file gone from the newest checkpoint: resume=auto skips it, saying why
+    # the newest checkpoint's model states truncated on the store: the same command resumes
+    # from global_step8 with one line (rank 0's only) and repeats 9-12 exactly
     import s3fs
 
     fs = s3fs.S3FileSystem()
+
+    def truncate(path: str) -> None:
+        fs.pipe_file(path, fs.cat_file(path)[: fs.size(path) // 2])
+        fs.invalidate_cache()
+
+    truncate(f"{folder}/global_step12/mp_rank_00_model_states.pt")
+    rerun = _run(cmd, s3)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    lines = [x for x in rerun.stderr.splitlines() if "incomplete or damaged" in x]
+    assert len(lines) == 1, rerun.stderr[-3000:]
+    assert "checkpoint global_step12 in" in lines[0], lines[0]
+    assert "mp_rank_00_model_states.pt has" in lines[0], lines[0]
+    assert "resuming from global_step8, the newest whole checkpoint" in lines[0], lines[0]
+    by_step = _losses(uri, str(state.mlflow_run_id))
+    assert all(len(by_step[s]) > 1 for s in (9, 10, 11, 12)), by_step
+    assert all(len(set(v)) == 1 for v in by_step.values()), by_step
+    assert ckpt.latest_tag(folder) == "global_step12"
+
+    # one rank's file gone from the newest checkpoint: resume=auto skips it, saying why
     victim = next(
         p for p in fs.find(f"{folder}/global_step12") if "zero_pp_rank_1_" in p.rsplit("/", 1)[1]
     )
     fs.rm(victim)
     with caplog.at_level(logging.WARNING):
         assert ckpt.resume_tag(folder, "auto") == "global_step8"
-    assert "checkpoint global_step12" in caplog.text and "is incomplete" in caplog.text
+    assert "checkpoint global_step12" in caplog.text and "incomplete or damaged" in caplog.text
     assert "zero_pp_rank_1_" in caplog.text
+    # and rank 0's completion marker of the one before truncated: no whole checkpoint left
+    truncate(f"{folder}/global_step8/bertpipe_rank00000.json")
+    with pytest.raises(ckpt.CheckpointDamagedError) as refused:
+        ckpt.resume_tag(folder, "auto")
+    assert f"{folder} has no whole checkpoint to resume from" in str(refused.value)
+    assert "global_step8 (rank 0's file bertpipe_rank00000.json has" in str(refused.value)
 
 
 def test_a_rank_that_never_uploads_is_not_published(s3) -> None:
@@ -144,6 +172,37 @@ def test_a_rank_that_never_uploads_is_not_published(s3) -> None:
     assert store.read_text("latest") is None
     fs.pipe(f"{s3.bucket}/ck/global_step5/mp_rank_00_model_states.pt", b"ab")  # truncated
     assert "has 2 bytes, not 3" in store.missing("global_step5")
+
+
+def test_a_file_changed_on_the_store_is_refused_on_download(s3, tmp_path: Path) -> None:
+    """Sizes are checked from a listing; the CRC-32 that the uploading rank recorded is
+    checked as a rank downloads the file (downloaded twice, then one error naming it, exit
+    2). A marker that does not parse makes the checkpoint incomplete, not a traceback."""
+    import zlib
+
+    import s3fs
+
+    from bertpipe.training.ckpt_store import CheckpointDamagedError, RemoteCheckpoints, marker_name
+
+    fs = s3fs.S3FileSystem()
+    store = RemoteCheckpoints(f"{s3.bucket}/crc", local_dir=str(tmp_path / "staging"))
+    name = "mp_rank_00_model_states.pt"
+    fs.pipe(f"{s3.bucket}/crc/global_step5/{name}", b"xyz")  # saved as "abc", same size
+    marker = {"rank": 0, "world_size": 1, "attempt": "a", "files": {name: 3},
+              "crc32": {name: f"{zlib.crc32(b'abc'):08x}"}}  # fmt: skip
+    store.write_text(f"global_step5/{marker_name(0)}", json.dumps(marker))
+    assert store.missing("global_step5") == ""  # sizes agree
+    with (
+        pytest.raises(CheckpointDamagedError, match=name) as raised,
+        store.fetched("global_step5", 0, 1),
+    ):
+        pass
+    assert getattr(raised.value, "exit_code", 2) == 2  # not retried: the store's copy is bad
+    fs.pipe(f"{s3.bucket}/crc/global_step5/{name}", b"abc")
+    with store.fetched("global_step5", 0, 1) as local:
+        assert (Path(local) / "global_step5" / name).read_bytes() == b"abc"
+    store.write_text(f"global_step5/{marker_name(0)}", json.dumps(marker)[:20])  # truncated
+    assert store.missing("global_step5") == f"{marker_name(0)} does not parse (truncated?)"
 
 
 def test_credentials_revoked_mid_run_give_one_line_naming_the_url(
