@@ -107,7 +107,9 @@ class InputConfig:
         try:
             check_language(self.language)
         except ValueError as exc:
-            raise ConfigError("language", f"is {exc}") from None
+            raise ConfigError(
+                "language", f"{exc} (it picks the sentence splitter's rules)"
+            ) from None
         if self.language_field is not None and self.format not in ("jsonl", "parquet"):
             raise ConfigError(
                 "language_field",

@@ -131,7 +131,7 @@ _BOUNDARY = re.compile(rf"(?<!{_RUN_CHARS}){_RUN_CHARS}++(\s+)(?=[\"'“‘(\[]?
 _TERMINAL = re.compile(r"[.!?]")
 _WORD_BEFORE = re.compile(r"([\w.]+)$")
 _PARAGRAPH = re.compile(r"\n\s*\n")
-_SPACES = re.compile(r"\s+")
+_SPACES = re.compile(r"[^\S ]\s*| \s+")  # whitespace that is not already one space
 # scripts written without spaces between words: a line break between two of their
 # characters is no word break (Hangul is written with spaces and is not here)
 _NO_SPACE = (
@@ -230,29 +230,24 @@ RISKY_PER_PIECE = 32
 its time on a piece is at most about this many times the piece's length."""
 
 
-class _Scanner:
-    """The patterns that cut a paragraph for sentencex, over a set of terminators. (A
-    character class holding characters beyond U+FFFF is ten times slower to test in
-    Python's ``re``: paragraphs without such characters use the set without them.)"""
-
-    def __init__(self, terminators: str) -> None:
-        term = re.escape(terminators)
-        risky = re.escape(terminators + _QUOTES)
-        self.overlong_run = re.compile(rf"[{risky}]{{{_RISKY_PER_RUN + 1},}}")
-        # up to and including the (RISKY_PER_PIECE / 2)-th terminator or quote
-        self.half = re.compile(rf"(?:[^{risky}]*+[{risky}]){{{RISKY_PER_PIECE // 2}}}")
-        # the last sentence-like end in a span: terminators (a whole run), closers and a
-        # space, or a CJK full stop, exclamation or question mark and closers
-        self.last_end = re.compile(
-            rf"(?s:.*)(?:(?<![.{term}])[.{term}]++[{_CLOSERS}]*+ "
-            rf"|(?<![{_CJK_TERMINATORS}])[{_CJK_TERMINATORS}]++[{_CLOSERS}]*+)"
-        )
-
-
-_SCAN_BMP = _Scanner("".join(c for c in _TERMINATORS if c <= "\uffff"))
-_SCAN_ALL = _Scanner(_TERMINATORS)
-_LAST_SPACE = re.compile(r"(?s:.*) ")
+# Python's re tests a character against a class holding characters beyond U+FFFF ten times
+# slower: a paragraph with such terminators is scanned in a copy where each one is U+E000
+# (a private-use character, one code point as they are: offsets stay the same)
+_STAND_IN = "\ue000"
+_ASTRAL_TERMINATORS = {ord(c): _STAND_IN for c in _TERMINATORS if c > "\uffff"}
 _ASTRAL = re.compile("[\U00010000-\U0010ffff]")
+_TERM = re.escape("".join(c for c in _TERMINATORS if c <= "\uffff") + _STAND_IN)
+_RISKY = re.escape("".join(c for c in _TERMINATORS if c <= "\uffff") + _STAND_IN + _QUOTES)
+_OVERLONG_RUN = re.compile(rf"[{_RISKY}]{{{_RISKY_PER_RUN + 1},}}")
+# up to and including the (RISKY_PER_PIECE / 2)-th terminator or quote
+_HALF = re.compile(rf"(?:[^{_RISKY}]*+[{_RISKY}]){{{RISKY_PER_PIECE // 2}}}")
+# the last sentence-like end in a span: terminators (a whole run), closers and a space, or
+# a CJK full stop, exclamation or question mark and closers; else the last space
+_LAST_END = re.compile(
+    rf"(?s:.*)(?:(?<![.{_TERM}])[.{_TERM}]++[{_CLOSERS}]*+ "
+    rf"|(?<![{_CJK_TERMINATORS}])[{_CJK_TERMINATORS}]++[{_CLOSERS}]*+)"
+)
+_LAST_SPACE = re.compile(r"(?s:.*) ")
 _NUMBERING = re.compile(r"(?:\S{1,12} )?\d+(?:\.\d+)*\.")
 
 
@@ -263,37 +258,40 @@ def segment_sentences(text: str, language: str) -> list[str]:
     says."""
     sentences: list[str] = []
     for paragraph in split_paragraphs(text):
-        scan = _SCAN_ALL if _ASTRAL.search(paragraph) else _SCAN_BMP
+        scanned = (
+            paragraph.translate(_ASTRAL_TERMINATORS) if _ASTRAL.search(paragraph) else paragraph
+        )
         raw: list[str] = []
         start = 0
-        for run in scan.overlong_run.finditer(paragraph):
-            _segment_span(scan, paragraph, start, run.start(), language, raw)
+        for run in _OVERLONG_RUN.finditer(scanned):
+            _segment_span(paragraph, scanned, start, run.start(), language, raw)
             # a run of quotes or terminators (garbage, or a decoration) stays with the text
             # before it; the library never sees it
             if raw:
-                raw[-1] += run.group()
+                raw[-1] += paragraph[run.start() : run.end()]
             else:
-                raw.append(run.group())
+                raw.append(paragraph[run.start() : run.end()])
             start = run.end()
-        _segment_span(scan, paragraph, start, len(paragraph), language, raw)
+        _segment_span(paragraph, scanned, start, len(paragraph), language, raw)
         sentences.extend(_join_numbering(raw))
     return sentences
 
 
 def _segment_span(
-    scan: _Scanner, text: str, start: int, end: int, language: str, out: list[str]
+    text: str, scanned: str, start: int, end: int, language: str, out: list[str]
 ) -> None:
     """Append sentencex's sentences of ``text[start:end]``, given to it in pieces of at most
     :data:`RISKY_PER_PIECE` terminators and quotes, each cut after the last sentence end
-    (else space) among its last half of them: linear in the span's length."""
+    (else space) among its last half of them: linear in the span's length. ``scanned`` is
+    ``text`` as the patterns read it (terminators beyond U+FFFF replaced)."""
     while start < end:
         cut = end
-        half = scan.half.match(text, start, end)
-        full = scan.half.match(text, half.end(), end) if half is not None else None
+        half = _HALF.match(scanned, start, end)
+        full = _HALF.match(scanned, half.end(), end) if half is not None else None
         if half is not None and full is not None and full.end() < end:
             cut = full.end()
-            found = scan.last_end.match(text, half.end(), cut) or _LAST_SPACE.match(
-                text, half.end(), cut
+            found = _LAST_END.match(scanned, half.end(), cut) or _LAST_SPACE.match(
+                scanned, half.end(), cut
             )
             if found is not None:
                 cut = found.end()

@@ -17,6 +17,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bertpipe.preprocessing.bench",
         "Beam job vs tokenizer, one core; --scale-mb N: MB/s, memory",
     ),
+    "sentences": (
+        "bertpipe.preprocessing.bench_sentences",
+        "sentence splitting per language: MB/s, sentence endings found (--preprocess: the job)",
+    ),
     "model": ("bertpipe.training.bench_model", "forward+backward, ours vs transformers', CPU"),
     "loader": ("bertpipe.training.bench_loader", "pre-training loader: collated instances/s"),
     "train": ("bertpipe.training.bench_train", "real trainer path steps: seq/s, MFU"),

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from tests.langtext import gimp_help  # noqa: F401  (the GIMP manual's text, for every test here)
+
 
 @pytest.fixture(scope="module")
 def dask_cluster() -> Iterator[Any]:

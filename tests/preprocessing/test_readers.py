@@ -136,3 +136,125 @@ def test_memory_filesystem_urls() -> None:
 )
 def test_sentence_splitter(text: str, expected: list[str]) -> None:
     assert split_sentences(text) == expected
+
+
+# --------------------------------------------------------------------------- languages
+
+_KO = (
+    "GIMP는 이미지 편집 프로그램입니다. 다음 장에서 설치 방법을\n설명합니다. "
+    "준비되셨나요? 시작합니다!"
+)
+_KO_SENTENCES = [
+    "GIMP는 이미지 편집 프로그램입니다.",
+    "다음 장에서 설치 방법을 설명합니다.",  # a line break between Hangul words: a space
+    "준비되셨나요?",
+    "시작합니다!",
+]
+_JA = "GIMP は画像編集\nプログラムです。次の章で導入方法を説明します！準備はいいですか？はい"
+_JA_SENTENCES = [
+    "GIMP は画像編集プログラムです。",  # a line break between kana and Han: nothing
+    "次の章で導入方法を説明します！",
+    "準備はいいですか？",
+    "はい",
+]
+_ZH = "GIMP 是一个图像\n编辑程序。下一章介绍安装方法！准备好了吗？好的。"
+_ZH_SENTENCES = ["GIMP 是一个图像编辑程序。", "下一章介绍安装方法！", "准备好了吗？", "好的。"]
+
+
+@pytest.mark.parametrize(
+    ("language", "text", "expected"),
+    [("ko", _KO, _KO_SENTENCES), ("ja", _JA, _JA_SENTENCES), ("zh", _ZH, _ZH_SENTENCES)],
+)
+def test_text_layout_splits_each_language_by_its_rules(
+    tmp_path: Path, language: str, text: str, expected: list[str]
+) -> None:
+    """input.language picks rules that end Korean, Japanese and Chinese sentences (the
+    English rules want a capital letter after the full stop and know no 。！？)."""
+    path = tmp_path / f"{language}.txt"
+    path.write_text(text + "\n\nGIMP 2.10\n", encoding="utf-8")
+    docs, _ = _read(path, format="text", language=language)
+    assert docs[0].sentences == [*expected, "GIMP 2.10"]
+    english, _ = _read(path, format="text")  # the default, language=en: today's rules
+    assert len(english[0].sentences) < len(expected) + 1
+
+
+def test_line_breaks_inside_a_paragraph_fold_as_the_script_is_written(tmp_path: Path) -> None:
+    """text and jsonl: a single line break is wrapping. It becomes a space, except between
+    two characters of a script written without spaces (Han, kana), where it disappears,
+    whatever the language setting; Hangul is written with spaces and keeps one."""
+    path = tmp_path / "wrapped.txt"
+    path.write_text(
+        "日本語の文章は\n改行されても\n  一つの文です。\n\n"
+        "한국어 문장은\n띄어 씁니다.\n\n"
+        "Tokyo は\n日本の首都。 English\nwraps too.\n",
+        encoding="utf-8",
+    )
+    expected = [
+        "日本語の文章は改行されても一つの文です。",
+        "한국어 문장은 띄어 씁니다.",
+        "Tokyo は日本の首都。",
+        "English wraps too.",
+    ]
+    docs, _ = _read(path, format="text", language="ja")
+    assert docs[0].sentences == expected
+    english, _ = _read(path, format="text")  # the English rules fold the same way
+    assert english[0].sentences == [*expected[:2], " ".join(expected[2:])]  # 。 ends none
+    lines, _ = _read(path, format="text", split_sentences=False)  # a line is a sentence
+    assert lines[0].sentences[:3] == ["日本語の文章は", "改行されても", "一つの文です。"]
+
+
+def test_language_field_picks_the_rules_of_each_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """jsonl: input.language_field names each record's language; a record without it is in
+    input.language; a value that is no language code is counted, named and read as
+    input.language."""
+    path = tmp_path / "mixed.jsonl"
+    records = [
+        {"id": "ko-1", "lang": "ko", "text": _KO},
+        {"id": "ja-1", "lang": "ja-JP", "text": _JA},
+        {"id": "en-1", "text": "It works. 다음은 한국어입니다. Next one."},
+        {"id": "bad-1", "lang": 7, "text": "Mr. Smith came. He left."},
+    ]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    docs, counts = _read(path, format="jsonl", id_field="id", language_field="lang")
+    assert [d.sentences for d in docs] == [
+        _KO_SENTENCES,
+        _JA_SENTENCES,
+        ["It works. 다음은 한국어입니다.", "Next one."],  # English rules
+        ["Mr. Smith came.", "He left."],
+    ]
+    assert counts["documents_language_invalid"] == 1
+    assert "bad-1" in caplog.text and "lang=7" in caplog.text
+
+
+def test_parquet_language_column(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "docs.parquet"
+    table = pa.table({"text": [_ZH, _ZH], "lang": ["zh", None]})
+    pq.write_table(table, path)
+    docs, _ = _read(path, format="parquet", language_field="lang")
+    assert docs[0].sentences == _ZH_SENTENCES
+    assert len(docs[1].sentences) == 1  # null: input.language, English rules
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("input.language=korean!", "input.language"),
+        ("input.language_field=lang", "input.language_field"),  # the sentences layout
+    ],
+)
+def test_bad_language_settings_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, key: str
+) -> None:
+    from bertpipe.app.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("One.\nTwo.\n")
+    code = main(["preprocess", f"input.paths=[{corpus}]", override, f"output={tmp_path}/o"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("bertpipe: error:") and key in err[0]
+    assert not (tmp_path / "o").exists()
