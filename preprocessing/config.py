@@ -32,7 +32,7 @@ class TokenizerConfig:
     lowercase: bool = True
     """Uncased model: lower-case and strip accents (BERT's BasicTokenizer). For text in
     scripts without case (Korean, Japanese, Chinese) the cased model, ``lowercase=false``,
-    is Google's advice (configs/tokenizer-ko.yaml)."""
+    is Google's advice (configs/tokenizer-ko-cased.yaml)."""
     strip_accents: bool | None = None
     """Remove accents (``café`` -> ``cafe``); null follows ``lowercase``, as BERT does."""
     accent_marks: Literal["diacritics", "all"] = "diacritics"
