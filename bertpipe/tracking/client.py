@@ -298,11 +298,20 @@ def check_new_run(cfg: TrackingConfig, checkpoints: str | None = None) -> None:
     every rank, before any of it. Skipped when tracking is off, and when ``checkpoints`` (the
     stage's checkpoint folder) holds a ``latest`` checkpoint: a resumed run goes on while its
     server is down (its records buffered), as :func:`~bertpipe.tracking.lifecycle.start_run`
-    decides once it knows the run."""
+    decides once it knows the run. Only rank 0 logs to MLflow, so only the process the
+    launcher's environment names rank 0 asks (the others may sit on nodes that cannot reach
+    the server); an ambiguous environment asks, and is refused later with its own line."""
     if not cfg.enabled:
         return
     if checkpoints and fsio.exists(fsio.join(str(checkpoints), "latest")):
         return
+    from bertpipe.launch import LaunchError, detect_launch
+
+    try:
+        if detect_launch(os.environ).rank != 0:
+            return
+    except LaunchError:
+        pass
     check_reachable(cfg.resolved_uri(), cfg.uri_key())
 
 
