@@ -55,7 +55,7 @@ WRITTEN = [
     "がぎぐげご パピプペポ ヴ 日本語のテキストです。ｶﾞｷﾞｸﾞ",
     "中文句子。繁體字與简体字，全角标点！",
     "Café naïve Ünïcödé İstanbul Ångström ﬁnance Tiếng Việt",
-    "Ελληνικά άέή, Йод и ёж, हिन्दी भाषा, ภาษาไทย, שָׁלוֹם, العَرَبِيَّة",
+    "Ελληνικά άέή, Йод и ёж, हिन्दी भाषा, ภาษาไทยนั้น, שָׁלוֹם, العَرَبِيَّة",
     "tab\there\x00nul\u200bzero width\r\nline\u00a0nbsp",
     "x" * 120 + " 가" * 3 + " " + "字" * 3,
     "中" * 120,
@@ -118,7 +118,7 @@ def test_accent_stripping_keeps_every_script_whole() -> None:
     assert uncased.normalize_str(chinese).split() == list("中文句子。繁體字與简体字，全角标点！")
     assert uncased.normalize_str(latin) == "cafe naive unicode istanbul angstrom ﬁnance tieng viet"
     assert uncased.normalize_str(others) == (
-        "ελληνικα αεη, иод и еж, हिन्दी भाषा, ภาษาไทย, שָׁלוֹם, العَرَبِيَّة"
+        "ελληνικα αεη, иод и еж, हिन्दी भाषा, ภาษาไทยนั้น, שָׁלוֹם, العَرَبِيَّة"
     )
     cased = Normalisation(lowercase=False, strip_accents=True).normalizer()
     assert cased.normalize_str(latin) == "Cafe naive Unicode Istanbul Angstrom ﬁnance Tieng Viet"
@@ -140,7 +140,7 @@ def test_accent_stripping_keeps_every_script_whole() -> None:
 def test_korean_vocabulary_is_syllables_with_the_korean_and_the_default_recipe(
     gimp_help: Callable[[str], Pages], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Korean manual pages (~270 KB): the Korean recipe's and the default recipe's settings
+    """Korean paragraphs of the manual (~230 KB): the Korean recipe's and the default recipe's settings
     learn Hangul syllables and no conjoining jamo, and decode gives each Korean word back;
     Google's stripping learns jamo and says so in one warning."""
     lines = paragraphs(gimp_help("ko"), SYLLABLE, 3000)
