@@ -131,6 +131,13 @@ def test_accent_stripping_keeps_every_script_whole() -> None:
     assert not SYLLABLE.search(google.normalize_str(korean))
     assert len(JAMO.findall(google.normalize_str(korean))) > 2 * len(SYLLABLE.findall(korean))
 
+    # offsets point into the text as given (span answers and word labels depend on them),
+    # through decomposition and recomposition alike
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "cafe", "파일", "##을", "が", "##ぎ"]
+    line = "Café 파일을 がぎ"
+    encoding = build_from_vocab(vocab).encode(line, add_special_tokens=False)
+    assert [line[a:b] for a, b in encoding.offsets] == ["Café", "파일", "을", "が", "ぎ"]
+
     # written into tokenizer.json and read back as it was
     for norm in _settings():
         tok = build_from_vocab(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], normalisation=norm)
@@ -140,9 +147,9 @@ def test_accent_stripping_keeps_every_script_whole() -> None:
 def test_korean_vocabulary_is_syllables_with_the_korean_and_the_default_recipe(
     gimp_help: Callable[[str], Pages], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Korean paragraphs of the manual (~230 KB): the Korean recipe's and the default recipe's settings
-    learn Hangul syllables and no conjoining jamo, and decode gives each Korean word back;
-    Google's stripping learns jamo and says so in one warning."""
+    """Korean paragraphs of the manual (~230 KB): the Korean recipe's and the default
+    recipe's settings learn Hangul syllables and no conjoining jamo, and decode gives each
+    Korean word back; Google's stripping learns jamo and says so in one warning."""
     lines = paragraphs(gimp_help("ko"), SYLLABLE, 3000)
     text = "\n".join(lines)
     assert len(text.encode()) > 200_000
