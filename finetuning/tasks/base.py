@@ -145,7 +145,9 @@ class TaskSpec:
     ``labels`` are the class names in id order (classification, token_labels); empty for
     regression and span_qa. ``metrics`` are the names :func:`bertpipe.finetuning.metrics.
     compute_task_metrics` reports; ``main_metric`` picks the model and must be one of them.
-    ``positive_label`` is the class binary F1 counts as positive.
+    ``positive_label`` is the class binary F1 counts as positive. ``threshold`` (regression
+    only): the score at or above which a pair counts as positive, on both sides, for the
+    metric ``f1`` (KLUE-STS: 3.0).
     """
 
     name: str
@@ -155,6 +157,7 @@ class TaskSpec:
     greater_is_better: bool = True
     metrics: tuple[str, ...] = ("accuracy",)
     positive_label: str | None = None
+    threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in TASK_KINDS:
@@ -167,6 +170,8 @@ class TaskSpec:
             raise ValueError(
                 f"task {self.name}: main metric {self.main_metric!r} not in {self.metrics}"
             )
+        if self.threshold is not None and self.kind != "regression":
+            raise ValueError(f"task {self.name}: a threshold is for regression tasks only")
         if self.positive_label is not None and self.positive_label not in self.labels:
             raise ValueError(
                 f"task {self.name}: positive label {self.positive_label!r} not in {self.labels}"

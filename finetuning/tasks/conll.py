@@ -1,5 +1,5 @@
 """CoNLL-2003 style named-entity data: reader, IOB1 -> IOB2, first-sub-token features,
-word-level alignment of predictions, entity-level scores (as conlleval / seqeval) and the
+word-level alignment of predictions, entity-level scores (seqeval, conlleval's rules) and the
 three-column prediction file.
 
 Input: one token per line, ``word POS chunk NER`` (CoNLL-2003) or ``word label``; the label
@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from typing import IO
 
 import numpy as np
+from seqeval.metrics import accuracy_score as seqeval_accuracy
+from seqeval.metrics.sequence_labeling import get_entities
+from seqeval.metrics.sequence_labeling import precision_recall_fscore_support as seqeval_prf
 from tokenizers import Tokenizer
 
 from bertpipe.finetuning.tasks.base import (
@@ -276,52 +279,11 @@ def align_predictions(
     return out
 
 
-def _split(tag: str) -> tuple[str, str]:
-    if tag == "O" or "-" not in tag:
-        return "O", ""
-    prefix, kind = tag.split("-", 1)
-    return prefix, kind
-
-
-def _ends(prev: str, tag: str, prev_type: str, kind: str) -> bool:
-    """seqeval's ``end_of_chunk`` (conlleval's rules)."""
-    if prev in ("E", "S"):
-        return True
-    if prev in ("B", "I") and tag in ("B", "S", "O"):
-        return True
-    return prev != "O" and prev_type != kind
-
-
-def _starts(prev: str, tag: str, prev_type: str, kind: str) -> bool:
-    """seqeval's ``start_of_chunk`` (conlleval's rules)."""
-    if tag in ("B", "S"):
-        return True
-    if prev in ("E", "S", "O") and tag in ("E", "I"):
-        return True
-    return tag != "O" and prev_type != kind
-
-
 def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
-    """Entity spans ``(type, first, last)`` (inclusive word indices), conlleval-style:
-    an ``I-X`` after ``O`` or after another type starts a new entity."""
-    found: list[tuple[str, int, int]] = []
-    prev, prev_type, begin = "O", "", -1
-    for i, tag in enumerate([*tags, "O"]):
-        prefix, kind = _split(tag)
-        if begin >= 0 and _ends(prev, prefix, prev_type, kind):
-            found.append((prev_type, begin, i - 1))
-            begin = -1
-        if _starts(prev, prefix, prev_type, kind):
-            begin = i
-        prev, prev_type = prefix, kind
-    return found
-
-
-def _prf(correct: int, predicted: int, gold: int) -> tuple[float, float, float]:
-    precision = correct / predicted if predicted else 0.0
-    recall = correct / gold if gold else 0.0
-    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-    return precision, recall, f1
+    """Entity spans ``(type, first, last)`` (inclusive word indices) by seqeval's default
+    mode, which follows conlleval: an ``I-X`` after ``O`` or after another type starts a new
+    entity."""
+    return [(kind, first, last) for kind, first, last in get_entities(list(tags))]
 
 
 def entity_scores(
@@ -329,34 +291,36 @@ def entity_scores(
 ) -> dict[str, float]:
     """Entity-level precision, recall and F1 (exact span and type), micro-averaged over all
     sentences, plus ``token_accuracy`` and ``<TYPE>_precision/_recall/_f1/_support`` per
-    type. Fractions in [0, 1]."""
+    type (every type in either side). Fractions in [0, 1]; 0.0 where a ratio has nothing to
+    count.
+
+    Computed by seqeval in its default mode, the conlleval rules (the CoNLL-2003 shared
+    task's scorer): an ``I-X`` that does not continue an ``X`` entity starts one, so a
+    prediction that opens an entity with ``I-`` is still scored. seqeval's ``mode="strict"``
+    with ``scheme=IOB2`` drops such entities instead (KLUE-NER's scorer uses it; see
+    :mod:`bertpipe.finetuning.tasks.klue`)."""
     if len(gold) != len(predicted):
         raise ValueError(f"{len(gold)} gold sentences but {len(predicted)} predicted")
-    gold_spans: set[tuple[int, str, int, int]] = set()
-    pred_spans: set[tuple[int, str, int, int]] = set()
-    tokens = correct_tokens = 0
     for i, (g, p) in enumerate(zip(gold, predicted, strict=True)):
         if len(g) != len(p):
             raise ValueError(f"sentence {i}: {len(g)} gold labels but {len(p)} predicted")
-        gold_spans.update((i, *span) for span in entities(g))
-        pred_spans.update((i, *span) for span in entities(p))
-        tokens += len(g)
-        correct_tokens += sum(a == b for a, b in zip(g, p, strict=True))
-    hits = gold_spans & pred_spans
-    precision, recall, f1 = _prf(len(hits), len(pred_spans), len(gold_spans))
+    y_true = [list(g) for g in gold]
+    y_pred = [list(p) for p in predicted]
+    tokens = sum(len(g) for g in y_true)
+    precision, recall, f1, _ = seqeval_prf(y_true, y_pred, average="micro", zero_division=0)
     out = {
-        "precision": precision,
-        "recall": recall,
-        "f1": f1,
-        "token_accuracy": correct_tokens / tokens if tokens else 0.0,
+        "precision": float(precision),
+        "recall": float(recall),
+        "f1": float(f1),
+        "token_accuracy": float(seqeval_accuracy(y_true, y_pred)) if tokens else 0.0,
     }
-    for kind in sorted({s[1] for s in gold_spans | pred_spans}):
-        n_gold = sum(1 for s in gold_spans if s[1] == kind)
-        n_pred = sum(1 for s in pred_spans if s[1] == kind)
-        n_hit = sum(1 for s in hits if s[1] == kind)
-        type_p, type_r, type_f = _prf(n_hit, n_pred, n_gold)
-        out.update({f"{kind}_precision": type_p, f"{kind}_recall": type_r, f"{kind}_f1": type_f})
-        out[f"{kind}_support"] = float(n_gold)
+    kinds = sorted({e[0] for e in get_entities(y_true)} | {e[0] for e in get_entities(y_pred)})
+    if kinds:  # seqeval's per-type arrays are in this (sorted) order
+        per_type = seqeval_prf(y_true, y_pred, average=None, zero_division=0)
+        for k, kind in enumerate(kinds):
+            type_p, type_r, type_f, support = (float(a[k]) for a in per_type)
+            out.update({f"{kind}_precision": type_p, f"{kind}_recall": type_r})
+            out.update({f"{kind}_f1": type_f, f"{kind}_support": support})
     return out
 
 
