@@ -9,6 +9,7 @@ the middle of a phase (``tests/training/test_peers.py``)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -120,7 +121,8 @@ def test_damaged_checkpoints_fall_back(
     its model states truncated, later its rank 0 completion marker truncated. Each time
     the run resumes from ``global_step8`` with one line naming the damaged file, and the
     steps it runs again have the losses the uninterrupted run had. A changed byte (same
-    size) is caught by the file's CRC-32. Every checkpoint damaged: one line, exit 2,
+    size) is caught by the file's CRC-32. A checkpoint whose markers list no files (saved
+    by an older bertpipe) is still taken. Every checkpoint damaged: one line, exit 2,
     nothing trained or written."""
     cmd, uri, folder = killed_run.cmd, killed_run.uri, killed_run.folder
     assert killed_run.again.returncode == 0
@@ -144,8 +146,18 @@ def test_damaged_checkpoints_fall_back(
         assert ckpt.resume_tag(str(folder), "auto") == "global_step8"
     assert f"{optimizer.name} has another CRC-32" in caplog.text
 
-    for tag in ("global_step4", "global_step8"):
-        _truncate(folder / tag / "mp_rank_00_model_states.pt")
+    # a checkpoint of an older bertpipe (markers without file lists) is still taken, its
+    # files checked for presence only
+    marker = folder / "global_step8" / "bertpipe_rank00000.json"
+    old = {k: v for k, v in json.loads(marker.read_text()).items() if k != "files"}
+    marker.write_text(json.dumps(old))
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert ckpt.resume_tag(str(folder), "auto") == "global_step8"
+    assert "global_step8 was saved without file sizes" in caplog.text
+
+    marker.unlink()  # global_step8 incomplete, global_step4 truncated: none is whole
+    _truncate(folder / "global_step4" / "mp_rank_00_model_states.pt")
     written = {p: p.stat().st_mtime_ns for p in folder.rglob("*")}
     refused = _run_here(cmd)
     line = _one_line(refused.stderr, "bertpipe: error:")
@@ -251,3 +263,30 @@ def test_a_save_short_of_inodes_is_refused_before_writing(tmp_path: Path) -> Non
         assert "it resumes from global_step4" in short
         resize(8, inodes=13)
         assert disk_space.shortfall(disk, need, "global_step8", "global_step4", inodes) is None
+
+
+def test_a_quota_error_is_a_full_disk(tmp_path: Path) -> None:
+    """``EDQUOT`` (the user's quota reached) ends a save like a full disk: one line saying
+    so, the partial folder removed. No quota can be set here (this kernel has neither tmpfs
+    quotas nor ext4's quota format), so the error is raised as the kernel reports it, into a
+    real file system whose bytes and inodes are free."""
+    import errno
+
+    from bertpipe.errors import DiskFullError
+    from bertpipe.training import disk_space
+
+    target = tmp_path / "global_step8"
+    target.mkdir()
+    (target / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+    quota = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(target / "x.pt"))
+    with (
+        pytest.raises(DiskFullError) as full,
+        disk_space.full_disk(tmp_path, target, "global_step4", need=4000),
+    ):
+        raise quota
+    line = str(full.value)
+    assert f"checkpoint global_step8 does not fit in {tmp_path}: disk quota exceeded" in line
+    assert "it resumes from global_step4" in line
+    assert not target.exists()
+    with pytest.raises(ValueError), disk_space.full_disk(tmp_path, target, None):
+        raise ValueError("not a full disk")  # other errors pass
