@@ -14,12 +14,12 @@ each checks another rank's marker against the files it sees, and only then does 
 rewrite ``latest`` (temporary file + rename). A job killed while saving therefore resumes
 from the previous checkpoint, never from half of one. A checkpoint damaged afterwards (a
 truncated file, a changed byte) is found at the resume (:func:`latest_complete_tag`, file
-checks in :mod:`bertpipe.training.ckpt_files`), which falls back to the newest whole one. On object storage (``s3://``, ``gs://``)
-ranks write locally and upload, and ``latest`` moves once every rank's upload is on the store
-(:mod:`bertpipe.training.ckpt_store`). Older checkpoints beyond ``keep_last``
-are deleted after that, except the final checkpoint of each phase (phase 2 and exports start
-from it) and the newest good one (see :func:`save`'s ``good``). Our own state is JSON (RNG
-states base64-encoded): nothing of ours is pickled.
+checks in :mod:`bertpipe.training.ckpt_files`), which falls back to the newest whole one.
+On object storage (``s3://``, ``gs://``) ranks write locally and upload, and ``latest``
+moves once every rank's upload is on the store (:mod:`bertpipe.training.ckpt_store`). Older
+checkpoints beyond ``keep_last`` are deleted after that, except the final checkpoint of each
+phase (phase 2 and exports start from it) and the newest good one (see :func:`save`'s
+``good``). Our own state is JSON (RNG states base64-encoded): nothing of ours is pickled.
 """
 
 from __future__ import annotations

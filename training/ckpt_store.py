@@ -9,8 +9,9 @@ folder, then rank 0 renames ``latest``) cannot work there. Instead:
    the checkpoint, exactly as they would on a shared disk.
 2. **Upload.** A background thread of each rank uploads its files to ``<dir>/<tag>/`` and
    then writes ``bertpipe_upload_rankNNNNN.json``, the list of those files with their sizes
-   and CRC-32 (computed when they were saved) and the save's *attempt* id (drawn by rank 0 for this save and broadcast). Training goes
-   on meanwhile; the next save first waits for this one (one checkpoint in flight).
+   and CRC-32 (computed when they were saved) and the save's *attempt* id (drawn by rank 0
+   for this save and broadcast). Training goes on meanwhile; the next save first waits for
+   this one (one checkpoint in flight).
 3. **Publish.** Rank 0's thread then waits until every rank's marker of this attempt is on
    the store and every file it lists is there with its size, writes ``latest`` and reads it
    back, updates ``bertpipe_index.json`` and prunes old checkpoints on the store.
