@@ -556,7 +556,9 @@ def latest_tag(folder: str) -> str | None:
     return text.strip() if text else None
 
 
-def latest_complete_tag(folder: str, checksums: bool = True) -> str | None:
+def latest_complete_tag(
+    folder: str, checksums: bool = True, taking: str = "resuming from"
+) -> str | None:
     """``latest`` if that checkpoint is whole (:meth:`_Folder.damaged`: sizes, and the CRC-32
     of its files with ``checksums``), else the newest whole one of the index, with one
     warning line naming what was damaged; None if the folder has no checkpoint. Every rank
@@ -574,8 +576,9 @@ def latest_complete_tag(folder: str, checksums: bool = True) -> str | None:
         if not why:
             if skipped and _process_share()[1] == 0:  # one line, not one per rank
                 log.warning(
-                    "%s: resuming from %s, the newest whole checkpoint",
+                    "%s: %s %s, the newest whole checkpoint",
                     _damaged_line(folder, skipped),
+                    taking,
                     tag,
                 )
             return tag

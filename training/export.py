@@ -102,10 +102,11 @@ def load_checkpoint_model(
     folder: str, tag: str | None = None
 ) -> tuple[torch.nn.Module, ckpt.CheckpointState]:
     """Our model (``BertForPreTraining`` or ``ModernBertForMaskedLM``, as the checkpoint
-    records) with the weights of checkpoint ``tag`` (default: ``latest``), in fp32."""
-    tag = tag or ckpt.latest_tag(folder)
-    if tag is None:
-        raise ExportError(f"{folder} has no `latest` checkpoint: pass --tag global_stepN")
+    records) with the weights of checkpoint ``tag``, in fp32. Default: ``latest``, or the
+    newest whole checkpoint with one warning line when ``latest`` is damaged, as a resume
+    takes it; a named ``tag`` that is damaged, or no whole checkpoint at all, is one line
+    (:class:`~bertpipe.training.checkpoint.CheckpointDamagedError`, exit 2)."""
+    tag = resolve_tag(folder, tag)
     state, _ = ckpt.read_state(folder, tag, 0)
     if not state.model:
         raise ExportError(f"{folder}/{tag} does not record its model config")
@@ -120,6 +121,18 @@ def load_checkpoint_model(
         )
     model.eval()
     return model, state
+
+
+def resolve_tag(folder: str, tag: str | None) -> str:
+    """The checkpoint an export or a fine-tuning start reads: ``tag`` checked whole (sizes
+    and checksums its markers list), or the newest whole one."""
+    if tag is not None:
+        ckpt.check_named(folder, tag)
+        return tag
+    found = ckpt.latest_complete_tag(folder, taking="reading")
+    if found is None:
+        raise ExportError(f"{folder} has no `latest` checkpoint: pass --tag global_stepN")
+    return found
 
 
 def tokenizer_folder(state: ckpt.CheckpointState, tokenizer: str | None) -> str:
@@ -169,6 +182,7 @@ def export_checkpoint(
     ``uri_key``)."""
     from bertpipe.preprocessing.tokenizer import load_tokenizer, tokenizer_files
 
+    tag = resolve_tag(folder, tag)
     model, state = load_checkpoint_model(folder, tag)
     source = tokenizer_folder(state, tokenizer)
     tok = load_tokenizer(source)
@@ -180,7 +194,6 @@ def export_checkpoint(
     # written from the tokenizer, not copied: a tokenizer_config.json of an older bertpipe
     # lacked settings that transformers then took defaults for (Korean turned into [UNK])
     extra = tokenizer_files(tok, model_max_length=model.config.max_position_embeddings)
-    tag = tag or ckpt.latest_tag(folder)
     with staging.writable_copy(out) as target:  # object storage: uploaded at the end
         info = _write_export(model, state, folder, str(tag), source, tok, target, extra)
         if track or register:

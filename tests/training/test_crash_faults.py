@@ -145,6 +145,19 @@ def test_damaged_checkpoints_fall_back(
     with caplog.at_level(logging.WARNING):
         assert ckpt.resume_tag(str(folder), "auto") == "global_step8"
     assert f"{optimizer.name} has another CRC-32" in caplog.text
+    # an export takes what a resume takes: the newest whole checkpoint, with one line
+    out = folder.parent / "export-of-damaged"
+    exported = run_cli(["export", str(folder), str(out), "--no-tracking"])
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    line = _one_line(exported.stderr, "incomplete or damaged")
+    assert "global_step12" in line and optimizer.name in line, line
+    assert "reading global_step8, the newest whole checkpoint" in line, line
+    assert json.loads((out / "bertpipe_export.json").read_text())["checkpoint"].endswith(
+        "global_step8"
+    )
+    named = run_cli(["export", str(folder), str(out) + "-named", "--tag", "global_step12"])
+    assert named.returncode == 2 and "Traceback" not in named.stderr, named.stderr[-3000:]
+    assert "checkpoint global_step12 in" in _one_line(named.stderr, "bertpipe: error:")
 
     # a checkpoint of an older bertpipe (markers without file lists) is still taken, its
     # files checked for presence only
@@ -167,6 +180,9 @@ def test_damaged_checkpoints_fall_back(
         assert tag in line, line
     assert "Traceback" not in refused.stderr
     assert {p: p.stat().st_mtime_ns for p in folder.rglob("*")} == written
+    none = run_cli(["export", str(folder), str(folder.parent / "export-of-none"), "--no-tracking"])
+    assert none.returncode == 2 and "Traceback" not in none.stderr, none.stderr[-3000:]
+    assert "has no whole checkpoint" in _one_line(none.stderr, "bertpipe: error:")
 
 
 @contextlib.contextmanager
