@@ -19,7 +19,7 @@ from bertpipe.training.config import (
 
 __all__ = ["FinetuneConfig", "SweepSpec", "TaskConfig"]
 
-TaskFamily = Literal["glue", "table", "squad", "conll"]
+TaskFamily = Literal["glue", "table", "squad", "conll", "klue"]
 
 
 @dataclass
@@ -28,9 +28,12 @@ class TaskConfig:
 
     family: TaskFamily = "table"
     """``glue`` (the nine GLUE TSV layouts), ``table`` (CSV/TSV/JSONL with named columns),
-    ``squad`` (SQuAD v1.1/v2.0 JSON) or ``conll`` (CoNLL-2003 token labels)."""
+    ``squad`` (SQuAD v1.1/v2.0 JSON), ``conll`` (CoNLL-2003 token labels) or ``klue`` (a
+    KLUE task's files as its release lays them out: ``ynat``, ``sts``, ``nli``, ``ner``,
+    ``mrc``)."""
     name: str = "task"
-    """GLUE task name (``sst-2``, ``mnli``...) or a name for the others (used in metrics)."""
+    """GLUE task name (``sst-2``, ``mnli``...), KLUE task name (``ynat``, ``sts``, ``nli``,
+    ``ner``, ``mrc``) or a name for the others (used in metrics)."""
     train: str = ""
     """Training file."""
     dev: list[str] = field(default_factory=list)
@@ -62,6 +65,11 @@ class TaskConfig:
     """squad: candidate spans considered per question."""
     null_score_diff_threshold: float = 0.0
     """squad v2: predict "no answer" when the null score beats the best span by more."""
+    language: str = "en"
+    """squad: the answers' language for exact match and F1. ``en``: the official SQuAD
+    script's normalisation; any other code (``ko``, ``zh``, ``ja``, ``de``...): MLQA's
+    multilingual one (Unicode punctuation, the language's articles, CJK characters as
+    tokens)."""
 
     def check_runnable(self) -> None:
         if not self.train:

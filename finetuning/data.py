@@ -21,11 +21,12 @@ from tokenizers import Tokenizer
 from bertpipe.config import ConfigError
 from bertpipe.finetuning.config import TaskConfig
 from bertpipe.finetuning.metrics import compute_task_metrics
-from bertpipe.finetuning.tasks import conll, glue, glue_tasks, squad
+from bertpipe.finetuning.tasks import conll, glue, glue_tasks, klue, squad
 from bertpipe.finetuning.tasks.base import (
     Features,
     ReadReport,
     TaskSpec,
+    check_dev_labels,
     check_max_seq_length,
     take,
 )
@@ -88,6 +89,8 @@ def load_task(cfg: TaskConfig, tokenizer: Tokenizer, max_positions: int) -> Task
         data = _pairs(cfg, tokenizer)
     elif cfg.family == "squad":
         data = _squad(cfg, tokenizer)
+    elif cfg.family == "klue":
+        data = _klue(cfg, tokenizer)
     else:
         data = _conll(cfg, tokenizer)
     if cfg.main_metric:
@@ -119,14 +122,66 @@ def _pairs(cfg: TaskConfig, tokenizer: Tokenizer) -> TaskData:
         def read(path: str) -> tuple[list[glue.PairExample], ReadReport]:
             return glue.read_table(path, columns, spec)
 
+    return _pair_task(cfg, tokenizer, spec, read)
+
+
+def _pair_task(
+    cfg: TaskConfig,
+    tokenizer: Tokenizer,
+    spec: TaskSpec,
+    read: Any,
+) -> TaskData:
+    """A sentence (pair) task: every file read with ``read``; a dev label the training
+    file lacks is refused (:func:`check_dev_labels`)."""
     examples, report = read(cfg.train)
     train = glue.featurize_pairs(tokenizer, examples, spec, cfg.max_seq_length)
     dev = []
     for path in cfg.dev:
         dev_examples, dev_report = read(path)
+        if spec.kind == "classification":
+            check_dev_labels(
+                cfg.train,
+                (spec.labels[int(e.label)] for e in examples if e.label is not None),
+                path,
+                ((e.line, spec.labels[int(e.label)]) for e in dev_examples if e.label is not None),
+            )
         features = glue.featurize_pairs(tokenizer, dev_examples, spec, cfg.max_seq_length)
         dev.append(EvalSet(_stem(path), path, features, dev_examples, dev_report))
     return TaskData(spec, cfg.family, train, report, dev)
+
+
+def _klue(cfg: TaskConfig, tokenizer: Tokenizer) -> TaskData:
+    """A KLUE task (:mod:`~bertpipe.finetuning.tasks.klue`) as its release lays it out."""
+    try:
+        task = klue.klue_task(cfg.name)
+    except ValueError as exc:
+        raise ConfigError("task.name", str(exc)) from None
+    spec = task.spec
+    if spec.kind in ("classification", "regression"):
+        return _pair_task(cfg, tokenizer, spec, lambda path: klue.read_klue_pairs(spec.name, path))
+    if spec.kind == "span_qa":
+        squad.check_squad_lengths(cfg.max_seq_length, cfg.max_query_length, cfg.doc_stride)
+        options = {
+            "max_seq_length": cfg.max_seq_length,
+            "doc_stride": cfg.doc_stride,
+            "max_query_length": cfg.max_query_length,
+        }
+        examples, report = klue.read_klue_mrc(cfg.train)
+        train = squad.featurize_squad(tokenizer, examples, training=True, **options)
+        dev = []
+        for path in cfg.dev:
+            dev_examples, dev_report = klue.read_klue_mrc(path)
+            features = squad.featurize_squad(tokenizer, dev_examples, training=False, **options)
+            dev.append(EvalSet(_stem(path), path, features, dev_examples, dev_report))
+        return TaskData(spec, "klue", train, report, dev, version_2=True)
+    sentences, report = klue.read_klue_ner(cfg.train)
+    train = klue.featurize_klue_ner(tokenizer, sentences, spec, cfg.max_seq_length)
+    dev = []
+    for path in cfg.dev:
+        dev_sentences, dev_report = klue.read_klue_ner(path)
+        features = klue.featurize_klue_ner(tokenizer, dev_sentences, spec, cfg.max_seq_length)
+        dev.append(EvalSet(_stem(path), path, features, dev_sentences, dev_report))
+    return TaskData(spec, "klue", train, report, dev)
 
 
 def _squad(cfg: TaskConfig, tokenizer: Tokenizer) -> TaskData:
@@ -275,7 +330,7 @@ def score(
     ``end_logits`` (lists of [S_i] rows).
     """
     spec = data.spec
-    if data.family in ("glue", "table"):
+    if data.family in ("glue", "table") or spec.kind in ("classification", "regression"):
         logits = outputs["logits"]
         predictions = logits[:, 0] if spec.kind == "regression" else logits.argmax(-1)
         metrics = (
@@ -284,7 +339,7 @@ def score(
             else {}
         )
         return metrics, {"predictions": predictions}
-    if data.family == "squad":
+    if spec.kind == "span_qa":
         answers, nbest, null_odds = squad.decode(
             dev.examples,
             dev.features,
@@ -295,8 +350,15 @@ def score(
             version_2=data.version_2,
             null_score_diff_threshold=cfg.null_score_diff_threshold,
         )
-        metrics = squad.squad_metrics(answers, squad.gold_answers(dev.examples))
+        gold = squad.gold_answers(dev.examples)
+        if data.family == "klue":
+            metrics = klue.klue_mrc_metrics(answers, gold)
+        else:
+            metrics = squad.squad_metrics(answers, gold, language=cfg.language)
         return metrics, {"answers": answers, "nbest": nbest, "null_odds": null_odds}
+    if data.family == "klue":
+        chars = klue.align_klue_ner(dev.features, outputs["logits"], dev.examples, spec)
+        return klue.klue_ner_metrics(dev.examples, chars, spec.labels), {"labels": chars}
     word_labels = conll.align_predictions(dev.features, outputs["logits"], dev.examples, spec)
     gold = [s.labels for s in dev.examples]
     return conll.entity_scores(gold, word_labels), {"labels": word_labels}
@@ -307,16 +369,20 @@ def write_predictions(
 ) -> list[Path]:
     """The family's prediction files for one evaluation, under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    if data.family in ("glue", "table"):
+    if data.spec.kind in ("classification", "regression"):
         path = folder / f"{dev.name}.tsv"
         guids = [e.guid for e in dev.examples]
         glue.write_glue_predictions(path, guids, predicted["predictions"], data.spec)
         return [path]
-    if data.family == "squad":
+    if data.spec.kind == "span_qa":
         squad.write_squad_predictions(
             str(folder), predicted["answers"], predicted["nbest"], predicted["null_odds"]
         )
         return sorted(folder.glob("*.json"))
+    if data.family == "klue":
+        path = folder / f"{dev.name}.tsv"
+        klue.write_klue_ner_predictions(path, dev.examples, predicted["labels"])
+        return [path]
     path = folder / f"{dev.name}.conll"
     conll.write_conll_predictions(path, dev.examples, predicted["labels"])
     return [path]

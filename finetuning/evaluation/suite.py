@@ -13,8 +13,18 @@ checked (every file read, every row) before any trial runs.
   F1 (exact match reported beside it).
 * ``conll``: ``train.txt`` and ``dev.txt`` (or CoNLL-2003's ``eng.train`` and ``eng.testa``)
   in ``data``; scored by entity F1.
+* ``klue``: the task folders of KLUE's release (``klue_benchmark/`` of
+  github.com/KLUE-benchmark/KLUE): ``ynat-v1.1/``, ``klue-sts-v1.1/``, ``klue-nli-v1.1/``,
+  ``klue-ner-v1.1/``, ``klue-mrc-v1.1/`` (or ``-v1``), each with ``<folder>_train`` and
+  ``<folder>_dev`` (``.json``; NER ``.tsv``); the tasks present are used. Scored by KLUE's
+  metrics (:mod:`bertpipe.finetuning.tasks.klue`); a task with two (STS, NER, MRC) averages
+  them, as GLUE's rule does.
 * a YAML file: ``name`` and ``tasks``, each a family (``glue``, ``table``, ``squad``,
-  ``conll``), files and the metrics its score averages (docs/evaluation.md).
+  ``conll``, ``klue``), files and the metrics its score averages (docs/evaluation.md).
+
+Every file is read before any trial runs (:func:`check_suite`); a dev label that the task's
+training file lacks (a class, or an entity type) stops the suite with one line whatever
+``bad_rows`` says: a model trained without a class never predicts it.
 """
 
 from __future__ import annotations
@@ -29,11 +39,11 @@ from typing import Any
 from bertpipe import fsio
 from bertpipe.config import ConfigError
 from bertpipe.finetuning.config import TaskConfig
-from bertpipe.finetuning.tasks.base import ReadReport, TaskDataError, TaskSpec
+from bertpipe.finetuning.tasks.base import ReadReport, TaskDataError, TaskSpec, check_dev_labels
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GLUE_FOLDERS", "Suite", "SuiteTask", "check_suite", "load_suite"]
+__all__ = ["GLUE_FOLDERS", "Suite", "SuiteTask", "check_suite", "load_suite", "seq_length"]
 
 GLUE_FOLDERS = {
     "cola": "CoLA",
@@ -59,8 +69,21 @@ GLUE_SCORE = {
 }
 """The metrics each GLUE task's score averages (the GLUE benchmark's rule)."""
 
-SEQ_LENGTH = {"glue": 128, "table": 128, "conll": 128, "squad": 384}
-"""The protocol's default tokens per input by family (the paper's: 128; SQuAD 384)."""
+SEQ_LENGTH = {"glue": 128, "table": 128, "conll": 128, "squad": 384, "klue": 128}
+"""The protocol's default tokens per input by family (the paper's: 128; SQuAD 384); KLUE's
+MRC takes SQuAD's (:func:`seq_length`)."""
+
+KLUE_SCORE = {
+    "ynat": ("macro_f1",),
+    "sts": ("pearson", "f1"),
+    "nli": ("accuracy",),
+    "ner": ("entity_macro_f1", "character_macro_f1"),
+    "mrc": ("exact_match", "rouge_w"),
+}
+"""The KLUE tasks bertpipe reads, in KLUE's order, and the metrics each score averages (all
+of the task's KLUE metrics)."""
+KLUE_VERSIONS = ("v1.1", "v1")
+"""Releases found in a KLUE folder, the first present taken."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +105,23 @@ class SuiteTask:
         return str(self.task["family"])
 
 
+def seq_length(task: SuiteTask) -> int:
+    """The protocol's default tokens per input for ``task`` (:data:`SEQ_LENGTH`; a KLUE
+    MRC task as SQuAD's)."""
+    if task.family == "klue" and _klue_kind(task) == "span_qa":
+        return SEQ_LENGTH["squad"]
+    return SEQ_LENGTH[task.family]
+
+
+def _klue_kind(task: SuiteTask) -> str:
+    from bertpipe.finetuning.tasks.klue import klue_task
+
+    try:
+        return klue_task(str(task.task["name"])).spec.kind
+    except ValueError:
+        return ""
+
+
 @dataclass(frozen=True)
 class Suite:
     name: str
@@ -98,18 +138,22 @@ class Suite:
 
 
 def load_suite(suite: str, data: str, only: Sequence[str] = ()) -> Suite:
-    """The suite ``suite`` (``glue``, ``squad``, ``conll`` or a YAML file) over ``data``;
-    ``only``: just these tasks (each must be in the suite)."""
+    """The suite ``suite`` (``glue``, ``squad``, ``conll``, ``klue`` or a YAML file) over
+    ``data``; ``only``: just these tasks (each must be in the suite)."""
     if suite == "glue":
         found = Suite("glue", _glue_tasks(data, only), data)
     elif suite == "squad":
         found = Suite("squad", [_squad_task(data)], data)
     elif suite == "conll":
         found = Suite("conll", [_conll_task(data)], data)
+    elif suite == "klue":
+        found = Suite("klue", _klue_tasks(data), data)
     elif suite.endswith((".yaml", ".yml")):
         found = _yaml_suite(suite, data)
     else:
-        raise ConfigError("suite", f"{suite!r}: give glue, squad, conll or a suite .yaml file")
+        raise ConfigError(
+            "suite", f"{suite!r}: give glue, squad, conll, klue or a suite .yaml file"
+        )
     if only:
         names = [t.name for t in found.tasks]
         unknown = [n for n in only if n not in names]
@@ -220,6 +264,35 @@ def _conll_task(data: str) -> SuiteTask:
     return SuiteTask("conll", task, ("f1",))
 
 
+def _klue_tasks(data: str) -> list[SuiteTask]:
+    """The KLUE tasks whose release folder is in ``data`` (``klue_benchmark/``)."""
+    from bertpipe.finetuning.tasks.klue import klue_task
+
+    if not _isdir(data):
+        raise ConfigError(
+            "data", f"{data} is not a folder: give KLUE's klue_benchmark folder (its task folders)"
+        )
+    tasks = []
+    for name, score in KLUE_SCORE.items():
+        klue = klue_task(name)
+        for version in KLUE_VERSIONS:
+            folder_name, train_name, dev_name = klue.files(version)
+            folder = fsio.join(data, folder_name)
+            if not fsio.exists(folder):
+                continue
+            train, dev = fsio.join(folder, train_name), fsio.join(folder, dev_name)
+            for url in (train, dev):
+                if not fsio.exists(url):
+                    raise TaskDataError(
+                        f"{url} is missing: the {folder_name} folder needs it (as KLUE's release "
+                        "lays it out), or leave the task out with tasks=[...]"
+                    )
+            task = {"family": "klue", "name": name, "train": train, "dev": [dev]}
+            tasks.append(SuiteTask(name, task, score))
+            break
+    return tasks
+
+
 # --------------------------------------------------------------------------- YAML suites
 
 _TASK_KEYS = {"name", "family", "folder", "train", "dev", "score", "task"}
@@ -264,8 +337,8 @@ def _yaml_task(path: str, base: str, i: int, entry: Any) -> SuiteTask:
     if unknown:
         raise bad(f".{unknown[0]}: unknown key (choose from {sorted(_TASK_KEYS)})")
     name, family = str(entry["name"]), str(entry.get("family", "table"))
-    if family not in ("glue", "table", "squad", "conll"):
-        raise bad(f".family: unknown family {family!r} (glue, table, squad, conll)")
+    if family not in ("glue", "table", "squad", "conll", "klue"):
+        raise bad(f".family: unknown family {family!r} (glue, table, squad, conll, klue)")
     folder = _rel(base, str(entry["folder"])) if "folder" in entry else None
     if family == "glue" and "train" not in entry:  # a GLUE task by name, in its folder
         from bertpipe.finetuning.tasks.glue_tasks import glue_task
@@ -296,7 +369,14 @@ def _yaml_task(path: str, base: str, i: int, entry: Any) -> SuiteTask:
         "train": _rel(root, str(entry["train"])),
         "dev": [_rel(root, str(d)) for d in dev],
     }
-    default = ("f1",) if family in ("squad", "conll") else ()
+    default: tuple[str, ...] = ("f1",) if family in ("squad", "conll") else ()
+    if family == "klue":
+        from bertpipe.finetuning.tasks.klue import klue_task
+
+        try:
+            default = KLUE_SCORE[klue_task(task_name).spec.name]
+        except ValueError as exc:
+            raise bad(f".name: {exc}") from None
     return SuiteTask(name, task, _score(entry, default, bad))
 
 
@@ -325,7 +405,7 @@ def check_suite(suite: Suite, bad_rows: str = "fail") -> Suite:
     and line. Returns the suite with each task's metrics filled in and its score checked."""
     checked = []
     for task in suite.tasks:
-        spec, reports = _read_task(task)
+        spec, reports, labels = _read_task(task)
         for report in reports:
             report.require_rows()
             problems = _fatal(task, report)
@@ -338,6 +418,10 @@ def check_suite(suite: Suite, bad_rows: str = "fail") -> Suite:
                 )
             if problems:
                 report.log()
+        if labels is not None:  # whatever bad_rows says: not a row to drop
+            (train, seen, what), *devs = labels
+            for dev, rows, _ in devs:
+                check_dev_labels(train, seen, dev, rows, what)
         metrics = _metrics(task, spec)
         score = task.score or (spec.main_metric,)
         for name in score:
@@ -354,9 +438,9 @@ def check_suite(suite: Suite, bad_rows: str = "fail") -> Suite:
 
 def _fatal(task: SuiteTask, report: ReadReport) -> list[Any]:
     """The problems that ``bad_rows=fail`` refuses: every problem of a row, except SQuAD's
-    answers that do not match their context (the question is kept; the official files hold
-    a few)."""
-    if task.family == "squad":
+    (and KLUE-MRC's) answers that do not match their context (the question is kept; the
+    official files hold a few)."""
+    if task.family == "squad" or (task.family == "klue" and _klue_kind(task) == "span_qa"):
         return [p for p in report.problems if "context" not in p.reason]
     return list(report.problems)
 
@@ -373,9 +457,15 @@ def _metrics(task: SuiteTask, spec: TaskSpec) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _read_task(task: SuiteTask) -> tuple[TaskSpec, list[ReadReport]]:
-    """The task's spec and a read report of each of its files."""
-    from bertpipe.finetuning.tasks import conll, glue, squad
+Labels = list[tuple[str, list[Any], str]]
+"""Per file of a task (training first): its name, its labels (training: the set; dev:
+(line, label) per row or entity) and what they are (``label`` or ``entity type``)."""
+
+
+def _read_task(task: SuiteTask) -> tuple[TaskSpec, list[ReadReport], Labels | None]:
+    """The task's spec, a read report of each of its files and, for the families with
+    labels, the labels of each file (None for SQuAD, KLUE-MRC and regression)."""
+    from bertpipe.finetuning.tasks import conll, glue, klue, squad
     from bertpipe.finetuning.tasks.glue_tasks import glue_task
 
     cfg = TaskConfig(**task.task)
@@ -383,24 +473,73 @@ def _read_task(task: SuiteTask) -> tuple[TaskSpec, list[ReadReport]]:
         if not fsio.exists(url):
             raise TaskDataError(f"{url} is missing: task {task.name} of the suite needs it")
     reports: list[ReadReport] = []
-    if cfg.family == "glue":
-        spec = glue_task(cfg.name).spec
+    read: list[tuple[str, list[Any]]] = []
+    what = "label"
+    if cfg.family in ("glue", "table") or (
+        cfg.family == "klue" and _klue_kind(task) in ("classification", "regression")
+    ):
+        if cfg.family == "glue":
+            spec = glue_task(cfg.name).spec
+
+            def rows(url: str) -> tuple[list[Any], ReadReport]:
+                return glue.read_glue(cfg.name, url)
+        elif cfg.family == "klue":
+            spec = klue.klue_task(cfg.name).spec
+
+            def rows(url: str) -> tuple[list[Any], ReadReport]:
+                return klue.read_klue_pairs(spec.name, url)
+        else:
+            columns = glue.TableColumns(text_a=cfg.text_a, text_b=cfg.text_b, label=cfg.label)
+            spec = glue.table_spec(cfg.name, cfg.kind, cfg.train, columns, labels=cfg.labels)
+
+            def rows(url: str) -> tuple[list[Any], ReadReport]:
+                return glue.read_table(url, columns, spec)
+
         for url in (cfg.train, *cfg.dev):
-            reports.append(glue.read_glue(cfg.name, url)[1])
-    elif cfg.family == "table":
-        columns = glue.TableColumns(text_a=cfg.text_a, text_b=cfg.text_b, label=cfg.label)
-        spec = glue.table_spec(cfg.name, cfg.kind, cfg.train, columns, labels=cfg.labels)
-        for url in (cfg.train, *cfg.dev):
-            reports.append(glue.read_table(url, columns, spec)[1])
+            examples, report = rows(url)
+            reports.append(report)
+            if spec.kind == "classification":
+                labelled = [e for e in examples if e.label is not None]
+                read.append((url, [(e.line, spec.labels[int(e.label)]) for e in labelled]))
+        if spec.kind == "regression":
+            return spec, reports, None
     elif cfg.family == "squad":
         examples, report = squad.read_squad(cfg.train, cfg.version_2)
         version_2 = cfg.version_2
         if version_2 is None:
             version_2 = any(e.is_impossible for e in examples)
         spec = squad.squad_spec(version_2)
-        reports = [report, *(squad.read_squad(url, version_2)[1] for url in cfg.dev)]
+        return spec, [report, *(squad.read_squad(url, version_2)[1] for url in cfg.dev)], None
+    elif cfg.family == "klue" and _klue_kind(task) == "span_qa":
+        spec = klue.klue_task(cfg.name).spec
+        return spec, [klue.read_klue_mrc(url)[1] for url in (cfg.train, *cfg.dev)], None
     else:
-        sentences, report = conll.read_conll(cfg.train, cfg.labels)
-        spec = conll.conll_spec(cfg.name, sentences, cfg.labels)
-        reports = [report, *(conll.read_conll(url, spec.labels)[1] for url in cfg.dev)]
-    return spec, reports
+        what = "entity type"
+        if cfg.family == "klue":
+            spec = klue.klue_task(cfg.name).spec
+            files = [klue.read_klue_ner(url) for url in (cfg.train, *cfg.dev)]
+        else:
+            sentences, report = conll.read_conll(cfg.train, cfg.labels)
+            spec = conll.conll_spec(cfg.name, sentences, cfg.labels)
+            files = [(sentences, report)]
+            files += [conll.read_conll(url, spec.labels) for url in cfg.dev]
+        for url, (sentences, report) in zip((cfg.train, *cfg.dev), files, strict=True):
+            reports.append(report)
+            read.append((url, _entity_types(sentences)))
+    (train, train_rows), *devs = read
+    labels: Labels = [(train, sorted({label for _, label in train_rows}), what)]
+    labels += [(url, found, what) for url, found in devs]
+    return spec, reports, labels
+
+
+def _entity_types(sentences: Sequence[Any]) -> list[tuple[int, str]]:
+    """(line, type) of each entity type's first tag in each sentence (a sentence's words or
+    characters sit on consecutive lines from its ``line``)."""
+    found = []
+    for sentence in sentences:
+        first: dict[str, int] = {}
+        for i, tag in enumerate(sentence.labels):
+            if tag != "O":
+                first.setdefault(tag[2:], sentence.line + i)
+        found += [(line, kind) for kind, line in first.items()]
+    return found

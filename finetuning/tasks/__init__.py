@@ -5,6 +5,8 @@
 - :mod:`.glue_tasks`: the nine GLUE tasks (spec, columns, file names)
 - :mod:`.squad`: SQuAD v1.1/v2.0 reader, windowed features, decoding, EM/F1
 - :mod:`.conll`: CoNLL-2003 NER reader, first-sub-token features, entity-level scores
+- :mod:`.klue`: KLUE's YNAT, STS, NLI, NER (characters through offsets) and MRC files as its
+  release lays them out, and KLUE's metrics
 """
 
 from bertpipe.finetuning.tasks.base import (

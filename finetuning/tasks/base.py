@@ -29,7 +29,7 @@ import dataclasses
 import io
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
@@ -49,6 +49,7 @@ __all__ = [
     "TaskDataError",
     "TaskKind",
     "TaskSpec",
+    "check_dev_labels",
     "check_max_seq_length",
     "open_for_write",
     "pad_rows",
@@ -290,6 +291,35 @@ def take(features: Features, indices: Sequence[int] | np.ndarray, trim: bool = T
             rows = rows[:, :width]
         out[key] = rows
     return out
+
+
+def check_dev_labels(
+    train_file: str,
+    train_labels: Iterable[str],
+    dev_file: str,
+    dev_labels: Iterable[tuple[int, str]],
+    what: str = "label",
+) -> None:
+    """Raise :class:`TaskDataError` when a dev row holds a label the training file never has.
+
+    ``dev_labels``: (1-based line, label) per dev row (per entity for token tasks, with
+    ``what="entity type"``). A model trained without a class never predicts it, so every
+    such row is scored wrong and the score says less than it seems (a GLUE RTE training
+    file cut to one class gives a model that answers that class). The message names the
+    first such row, how many there are and the training file's labels.
+    """
+    seen = set(train_labels)
+    unseen = [(line, label) for line, label in dev_labels if label not in seen]
+    if not unseen:
+        return
+    line, label = unseen[0]
+    more = f" (and {len(unseen) - 1} more rows)" if len(unseen) > 1 else ""
+    has = ", ".join(sorted(seen)) or "none"
+    raise TaskDataError(
+        f"{dev_file}:{line}: {what} {label!r} is not in the training file {train_file} "
+        f"(it has: {has}){more}: a model trained on it never predicts {label!r}; give a "
+        "training file with every class, or leave the task out"
+    )
 
 
 def read_text(path: str | os.PathLike[str]) -> str:

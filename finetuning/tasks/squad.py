@@ -31,6 +31,7 @@ import math
 import os
 import re
 import string
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -115,20 +116,20 @@ def check_squad_lengths(max_seq_length: int, max_query_length: int, doc_stride: 
         )
 
 
-class _LineFinder:
-    """Line numbers of question ids in the raw JSON (built on the first problem)."""
+class LineFinder:
+    """Line numbers of record ids (the string values of ``key``) in the raw JSON, built on
+    the first look-up; 1 for an id not found."""
 
-    _ID = re.compile(r'"id"\s*:\s*"((?:[^"\\]|\\.)*)"')
-
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, key: str = "id") -> None:
         self._text = text
+        self._id = re.compile(rf'"{re.escape(key)}"\s*:\s*"((?:[^"\\]|\\.)*)"')
         self._lines: dict[str, int] | None = None
 
     def line(self, qid: object) -> int:
         if self._lines is None:
             newlines = [m.start() for m in re.finditer("\n", self._text)]
             self._lines = {}
-            for match in self._ID.finditer(self._text):
+            for match in self._id.finditer(self._text):
                 try:
                     key = json.loads(f'"{match.group(1)}"')
                 except json.JSONDecodeError:
@@ -153,11 +154,12 @@ def _answers(raw: object) -> list[SquadAnswer] | None:
 
 
 def read_squad(
-    path: str | os.PathLike[str], version_2: bool | None = None
+    path: str | os.PathLike[str], version_2: bool | None = None, id_key: str = "id"
 ) -> tuple[list[SquadExample], ReadReport]:
     """Read a SQuAD JSON file (``data[].paragraphs[].context/qas[]``).
 
-    ``version_2=None`` detects v2.0 from ``version`` or any ``is_impossible`` key. Problems:
+    ``version_2=None`` detects v2.0 from ``version`` or any ``is_impossible`` key.
+    ``id_key``: the question's id field (KLUE-MRC's files name it ``guid``). Problems:
     malformed entries, empty questions, duplicate ids, answerable questions without answers
     (dropped); answers whose ``answer_start`` lies outside the context (negative, or past
     its end), whose text is empty, or whose text does not match the context at
@@ -179,7 +181,7 @@ def read_squad(
             '"is_impossible"' in text
         )
     report = ReadReport(name)
-    lines = _LineFinder(text)
+    lines = LineFinder(text, id_key)
     examples: list[SquadExample] = []
     seen: set[str] = set()
     for a, article in enumerate(root["data"]):
@@ -197,9 +199,10 @@ def read_squad(
                 continue
             for q, qa in enumerate(qas):
                 report.rows_read += 1
-                result = _example(qa, context, title, f"{where}.qas[{q}]", version_2, seen)
+                where_q = f"{where}.qas[{q}]"
+                result = _example(qa, context, title, where_q, version_2, seen, id_key)
                 if isinstance(result, str):
-                    qid = qa.get("id") if isinstance(qa, dict) else None
+                    qid = qa.get(id_key) if isinstance(qa, dict) else None
                     report.add(lines.line(qid), result)
                     continue
                 example, mismatched = result
@@ -240,15 +243,21 @@ def _answer_problem(answer: SquadAnswer, context: str) -> str | None:
 
 
 def _example(
-    qa: object, context: str, title: str, where: str, version_2: bool, seen: set[str]
+    qa: object,
+    context: str,
+    title: str,
+    where: str,
+    version_2: bool,
+    seen: set[str],
+    id_key: str = "id",
 ) -> str | tuple[SquadExample, list[tuple[SquadAnswer, str]]]:
     """The example and its unusable answers with the reasons, or why the question is
     dropped."""
     if not isinstance(qa, dict):
         return f"{where} is not an object; dropped"
-    qid, question = qa.get("id"), qa.get("question")
+    qid, question = qa.get(id_key), qa.get("question")
     if not isinstance(qid, str) or not qid:
-        return f"{where} has no 'id'; dropped"
+        return f"{where} has no {id_key!r}; dropped"
     if qid in seen:
         return f"question {qid} ({where}): duplicate id; dropped"
     if not isinstance(question, str) or not question.strip():
@@ -496,23 +505,52 @@ def _entry(text: str, start_logit: float, end_logit: float, start_char: int) -> 
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = frozenset(string.punctuation)
+_MLQA_ARTICLES = {
+    "es": re.compile(r"\b(un|una|unos|unas|el|la|los|las)\b"),
+    "vi": re.compile(r"\b(của|là|cái|chiếc|những)\b"),
+    "de": re.compile(r"\b(ein|eine|einen|einem|eines|einer|der|die|das|den|dem|des)\b"),
+    "ar": re.compile(r"\sال^|ال"),
+}
+"""The articles MLQA's script removes per language (none for the others)."""
+_UNSPACED = re.compile(r"([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])")
+"""Characters of scripts written without spaces between words (kana and CJK ideographs):
+each is a token of its own, as MLQA's ``mixed_segmentation`` makes each Chinese one."""
 
 
-def normalize_answer(text: str) -> str:
-    """The official normalisation: lower case, no punctuation, no a/an/the, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
-    return " ".join(_ARTICLES.sub(" ", text).split())
+def _is_punctuation(ch: str) -> bool:
+    return ch in _PUNCTUATION or unicodedata.category(ch).startswith("P")
 
 
-def exact_match(prediction: str, gold: str) -> float:
+def normalize_answer(text: str, language: str = "en") -> str:
+    """The official normalisation: lower case, no punctuation, no a/an/the, single spaces.
+
+    ``language`` other than ``en``: MLQA's multilingual rules (``mlqa_evaluation_v1.py``,
+    the evaluation script of Lewis et al. 2020): every Unicode punctuation character goes
+    (the official script only strips ASCII's, so ``。`` or ``「`` stayed), English articles
+    stay, the language's own are removed (Spanish, German, Vietnamese, Arabic), and each
+    kana or CJK ideograph is a token of its own (MLQA does this for Chinese; Japanese is
+    written without spaces too), so F1 credits a partly right answer in those scripts.
+    Korean is written with spaces between words and is split there, as MLQA splits Hindi.
+    """
+    if language == "en":
+        text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+        return " ".join(_ARTICLES.sub(" ", text).split())
+    text = "".join(ch for ch in text.lower() if not _is_punctuation(ch))
+    articles = _MLQA_ARTICLES.get(language)
+    if articles is not None:
+        text = articles.sub(" ", text)
+    return " ".join(_UNSPACED.sub(r" \1 ", text).split())
+
+
+def exact_match(prediction: str, gold: str, language: str = "en") -> float:
     """1.0 when the normalised texts are equal, else 0.0."""
-    return float(normalize_answer(prediction) == normalize_answer(gold))
+    return float(normalize_answer(prediction, language) == normalize_answer(gold, language))
 
 
-def f1_score(prediction: str, gold: str) -> float:
+def f1_score(prediction: str, gold: str, language: str = "en") -> float:
     """Token-overlap F1 of the normalised texts (1.0 when both are empty)."""
-    pred_tokens = normalize_answer(prediction).split()
-    gold_tokens = normalize_answer(gold).split()
+    pred_tokens = normalize_answer(prediction, language).split()
+    gold_tokens = normalize_answer(gold, language).split()
     if not pred_tokens or not gold_tokens:
         return float(pred_tokens == gold_tokens)
     common = collections.Counter(pred_tokens) & collections.Counter(gold_tokens)
@@ -530,23 +568,24 @@ def gold_answers(examples: Sequence[SquadExample]) -> dict[str, list[str]]:
 
 
 def squad_metrics(
-    predictions: Mapping[str, str], gold: Mapping[str, Sequence[str]]
+    predictions: Mapping[str, str], gold: Mapping[str, Sequence[str]], language: str = "en"
 ) -> dict[str, float]:
     """EM and F1 in percent, max over gold answers, as ``evaluate-v2.0.py``.
 
     A question without gold answers scores 1 only for an empty prediction. A question with
     no prediction scores 0. Returns ``exact``, ``f1``, ``total`` and, where present, the
-    ``HasAns_*`` and ``NoAns_*`` breakdowns.
+    ``HasAns_*`` and ``NoAns_*`` breakdowns. ``language``: the answers' language
+    (:func:`normalize_answer`; ``en``, the default, is the official script exactly).
     """
     groups: dict[str, list[tuple[float, float]]] = {"": [], "HasAns_": [], "NoAns_": []}
     missing = 0
     for qid, answers in gold.items():
-        texts = [a for a in answers if normalize_answer(a)] or [""]
+        texts = [a for a in answers if normalize_answer(a, language)] or [""]
         if qid in predictions:
             pred = predictions[qid]
             scores = (
-                max(exact_match(pred, t) for t in texts),
-                max(f1_score(pred, t) for t in texts),
+                max(exact_match(pred, t, language) for t in texts),
+                max(f1_score(pred, t, language) for t in texts),
             )
         else:
             missing += 1
