@@ -1,5 +1,5 @@
-"""``bertpipe evaluate``: the paper's protocol on GLUE's layouts, resumed after SIGKILL, run
-in parallel, and refused on bad input before any trial.
+"""``bertpipe evaluate``: the paper's protocol on GLUE's layouts, resumed after SIGKILL and
+after SIGTERM while running in parallel, and refused on bad input before any trial.
 
 The suites fine-tune the tiny BERT of ``conftest.pretrained`` on GLUE-layout folders written
 by :mod:`tests.finetuning.glue_layout` (all nine tasks; WNLI must be left out). Every trial
@@ -15,6 +15,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -165,63 +166,160 @@ def test_each_task_equals_finetune_run_by_hand(
         assert {k: last[f"eval/{k}"] for k in trial["last"]} == trial["last"], task
 
 
-def _evaluate_process(args: list[str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "bertpipe.app.cli", *args],
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
+TRAINING = "bertpipe.finetuning.run: fine-tuning "
+"""The line a trial logs as its training starts (its SIGTERM handler is in place)."""
+FIRST_EPOCH = "bertpipe.finetuning.run: epoch 1/"
+"""The line a trial logs at the end of its first epoch (of two)."""
 
 
-def test_a_sigkilled_suite_resumes_without_rerunning_and_parallel_gives_the_same(
-    pretrained: Path, glue: Path, store: str, tmp_path: Path, suite: dict[str, Any]
-) -> None:
-    """Two tasks (8 trials) SIGKILLed (the process group, as a scheduler does) after its
-    third trial: the same command reuses the finished trials and ends with the table of the
-    same suite run without a stop, 2 trials at a time in worker processes."""
-    base = ["evaluate", f"model={pretrained}", "suite=glue", f"data={glue}", "tasks=[rte,stsb]"]
-    base += [*PROTOCOL, f"tracking.uri={store}"]
-    killed_out = tmp_path / "killed"
-    args = [*base, f"output={killed_out}", "parallel=1"]
-    proc = _evaluate_process(args)
-    deadline = time.monotonic() + 180
-    while len(list(killed_out.glob("trials/*/*/result.json"))) < 3:
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else ""
-        assert time.monotonic() < deadline, "no third trial in 180 s"
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    finished = {p: p.stat().st_mtime_ns for p in killed_out.glob("trials/*/*/result.json")}
-    assert 3 <= len(finished) < 8 and not (killed_out / "results.json").exists()
+def _stopped(
+    args: list[str], out: Path, sig: signal.Signals, in_first_epoch: bool = False
+) -> tuple[int, str, dict[Path, int]]:
+    """``bertpipe evaluate args`` in a session of its own, sent ``sig`` (to the process group,
+    as a scheduler sends it) once its third trial has finished; with ``in_first_epoch``, at a
+    moment when another trial is in its first epoch, so that it will stop at one of its steps
+    (the group is frozen with SIGSTOP to look, then sent ``sig`` and SIGCONT, as SLURM
+    preempts a suspended job); its exit status, stderr and the finished trials'
+    ``result.json`` with their mtimes."""
+    with tempfile.TemporaryFile() as log:  # not a pipe: a full pipe would stall the suite
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bertpipe.app.cli", *args],
+            env=_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
 
+        def stderr() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")
+
+        def due() -> bool:
+            if len(list(out.glob("trials/*/*/result.json"))) < 3:
+                return False
+            text = stderr()
+            return not in_first_epoch or text.count(TRAINING) > text.count(FIRST_EPOCH)
+
+        deadline = time.monotonic() + 300
+        try:
+            while True:
+                assert proc.poll() is None, stderr()[-3000:]
+                assert time.monotonic() < deadline, "no third trial in 300 s"
+                if due():
+                    if not in_first_epoch:
+                        break
+                    os.killpg(proc.pid, signal.SIGSTOP)
+                    if due():  # still so, now that nothing moves
+                        break
+                    os.killpg(proc.pid, signal.SIGCONT)
+                time.sleep(0.01)
+            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, signal.SIGCONT)
+            proc.wait(timeout=120)
+        finally:  # a failed wait leaves no suite behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        text = stderr()
+    finished = {p: p.stat().st_mtime_ns for p in out.glob("trials/*/*/result.json")}
+    assert 3 <= len(finished) < 8 and not (out / "results.json").exists(), text[-3000:]
+    return proc.returncode, text, finished
+
+
+def _resumed(args: list[str], finished: dict[Path, int]) -> dict[str, Any]:
+    """The same command again: it reuses the finished trials (not run again) and ends."""
     resumed = run_cli(args, _env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"{len(finished)} of 8 trials finished before" in resumed.stderr
     assert {p: p.stat().st_mtime_ns for p in finished} == finished  # not run again
     summary = json.loads(resumed.stdout.strip().splitlines()[-1])
-    assert summary["trials_run"] == 8 - len(finished)
+    assert summary["trials_run"] == 8 - len(finished) and summary["trials"] == 8
+    return summary
 
-    parallel_out = tmp_path / "parallel"
-    alone = run_cli([*base, f"output={parallel_out}", "parallel=2"], _env())
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert "2 at a time" in alone.stderr
-    assert (killed_out / "table.md").read_text() == (parallel_out / "table.md").read_text()
-    results = [json.loads((o / "results.json").read_text()) for o in (killed_out, parallel_out)]
-    assert results[0]["scores"] == results[1]["scores"]
-    for task in results[0]["scores"]["tasks"]:  # and the same as in the whole suite's run
-        assert task["mean"] == suite["summary"]["tasks"][task["task"]]["score"]
 
+def _trial_runs(store: str, suite_run: str) -> list[tuple[str, str]]:
+    """The suite run's children: (trial, status) of each."""
     import mlflow
 
     client = mlflow.MlflowClient(store)
     children = client.search_runs(
         [client.get_experiment_by_name("evaluate").experiment_id],
-        f"tags.mlflow.parentRunId = '{summary['run_id']}'",
+        f"tags.mlflow.parentRunId = '{suite_run}'",
     )
-    statuses = [c.info.status for c in children]
+    return [(c.data.tags["bertpipe.trial"], c.info.status) for c in children]
+
+
+@pytest.fixture(scope="module")
+def two_tasks(pretrained: Path, glue: Path, store: str) -> list[str]:
+    """A suite of two tasks, rte and stsb (8 trials)."""
+    base = ["evaluate", f"model={pretrained}", "suite=glue", f"data={glue}", "tasks=[rte,stsb]"]
+    return [*base, *PROTOCOL, f"tracking.uri={store}"]
+
+
+@pytest.fixture(scope="module")
+def sigkilled(two_tasks: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The two tasks one trial at a time, SIGKILLed after the third trial, then resumed."""
+    out = tmp_path_factory.mktemp("sigkilled")
+    args = [*two_tasks, f"output={out}", "parallel=1"]
+    status, _, finished = _stopped(args, out, signal.SIGKILL)
+    assert status == -signal.SIGKILL
+    summary = _resumed(args, finished)
+    return {"out": out, "summary": summary}
+
+
+def test_a_sigkilled_suite_resumes_without_rerunning(
+    sigkilled: dict[str, Any], store: str, suite: dict[str, Any]
+) -> None:
+    """Two tasks (8 trials) SIGKILLed (the process group, as a scheduler does) after its
+    third trial: the same command reuses the finished trials (checked in the fixture) and
+    ends with the scores of the same tasks in the whole suite's run, which had no stop."""
+    results = json.loads((sigkilled["out"] / "results.json").read_text())
+    for task in results["scores"]["tasks"]:
+        assert task["mean"] == suite["summary"]["tasks"][task["task"]]["score"]
+    statuses = [status for _, status in _trial_runs(store, sigkilled["summary"]["run_id"])]
     assert "RUNNING" not in statuses and statuses.count("FINISHED") == 8
+
+
+def test_a_sigtermed_parallel_suite_resumes_like_sigkill_with_the_same_table(
+    sigkilled: dict[str, Any], two_tasks: list[str], store: str, tmp_path: Path
+) -> None:
+    """The same two tasks 2 trials at a time in worker processes, SIGTERMed (the process
+    group: the suite and its workers) after the third trial, while another one is in its
+    first epoch: exit 143 with one line, the suite's run KILLED, that trial stopped at its next
+    step with its checkpoint (a worker between trials has none); the same command reuses the
+    finished trials, continues the stopped ones from their checkpoints and starts the others
+    again, and ends with the table of the one-at-a-time suite that was SIGKILLed and resumed
+    (so parallel, SIGTERM and SIGKILL all give the same)."""
+    import mlflow
+
+    from bertpipe.training.checkpoint import has_checkpoints
+
+    # a SIGTERM acted on at the next step (not within 10, as by default: a trial has 10)
+    args = [*two_tasks, f"output={tmp_path}", "parallel=2"]
+    args.append("finetune.checkpoint.preemption_check_steps=1")
+    status, stderr, finished = _stopped(args, tmp_path, signal.SIGTERM, in_first_epoch=True)
+    assert status == 143 and "2 at a time" in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "bertpipe: terminated (SIGTERM)", stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    suite_run = json.loads((tmp_path / "suite.json").read_text())["run_id"]
+    assert mlflow.MlflowClient(store).get_run(suite_run).info.status == "KILLED"
+    stopped = [
+        trial
+        for trial in tmp_path.glob("trials/*/*")
+        if not (trial / "result.json").exists() and has_checkpoints(str(trial / "checkpoints"))
+    ]
+    assert stopped, stderr[-3000:]
+    summary = _resumed(args, finished)
+    assert summary["run_id"] == suite_run  # the same suite run, continued
+    assert (tmp_path / "table.md").read_text() == (sigkilled["out"] / "table.md").read_text()
+    results = [json.loads((o / "results.json").read_text()) for o in (sigkilled["out"], tmp_path)]
+    assert results[0]["scores"] == results[1]["scores"]
+    trials = _trial_runs(store, summary["run_id"])
+    statuses = [status for _, status in trials]
+    assert "RUNNING" not in statuses and statuses.count("FINISHED") == 8
+    for trial in stopped:  # continued in the MLflow run it began in, not started again
+        key = f"{trial.parent.name}/{trial.name}"
+        assert [status for name, status in trials if name == key] == ["FINISHED"], trials
 
 
 def _refused(args: list[str], fragment: str) -> str:
