@@ -422,7 +422,8 @@ def _suite_lines(
     grid = ", ".join(f"{lr:g}" for lr in LEARNING_RATES)
     several = len(LEARNING_RATES) > 1
     rate = f"each task's best learning rate of {grid}" if several else f"learning rate {grid}"
-    rows = [["", *MODELS, *(["chosen lr"] if several else []), ""]]
+    labels = [pretrained.label, random.label]  # the suite runs' labels, as compare heads them
+    rows = [["", *labels, *(["chosen lr"] if several else []), ""]]
     for mine, other in zip(ours.tasks, theirs.tasks, strict=True):
         chosen = [f"{mine.learning_rate:g} / {other.learning_rate:g}"] if several else []
         rows.append(

@@ -29,14 +29,16 @@ What the suite's MLflow run holds (``bertpipe runs compare --suites`` reads it):
 
 * tags: ``bertpipe.stage`` = ``evaluate``; ``bertpipe.suite`` (``glue``, ``squad``,
   ``conll`` or the YAML's name); ``bertpipe.model`` (the model as given);
-  ``bertpipe.model_name`` (a short label for tables); ``bertpipe.suite_tasks`` (the tasks,
-  comma-separated, in suite order); ``bertpipe.parent_run_id`` (the pre-training run) and
-  ``bertpipe.pretrain_step`` (its global step), where known;
-* metrics, for each task ``T``: ``T/score`` and ``T/score_std`` (the chosen setting's mean
-  and standard deviation over seeds of the task's score), ``T/<metric>`` and
-  ``T/<metric>_std`` for each of the task's metrics (``mrpc/f1``, ``mrpc/accuracy``),
-  ``T/learning_rate`` (the chosen one); and ``average`` / ``average_std`` (the suite's
-  average score, its standard deviation over seeds);
+  ``bertpipe.model_name`` (a short label for tables: ``model_name``, else the model's folder
+  name with `` (random init)`` added for random weights); ``bertpipe.suite_tasks`` (the
+  tasks, comma-separated, in suite order); ``bertpipe.parent_run_id`` (the pre-training run)
+  and ``bertpipe.pretrain_step`` (its global step), where known;
+* metrics, all fractions (SQuAD's percentages divided by 100: one scale, see
+  :mod:`~bertpipe.finetuning.evaluation.scores`), for each task ``T``: ``T/score`` and
+  ``T/score_std`` (the chosen setting's mean and standard deviation over seeds of the task's
+  score), ``T/<metric>`` and ``T/<metric>_std`` for each of the task's metrics (``mrpc/f1``,
+  ``mrpc/accuracy``), ``T/learning_rate`` (the chosen one); and ``average`` /
+  ``average_std`` (the suite's average score, its standard deviation over seeds);
 * artifacts: ``suite_results.json`` (every trial's score, the grid, the choice) and
   ``suite_table.md``;
 * child runs: the trials (stage ``finetune``, tags ``bertpipe.trial`` = ``T/lr<lr>-seed<s>``).

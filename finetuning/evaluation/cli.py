@@ -69,11 +69,12 @@ def _evaluate(args: argparse.Namespace, passthrough: list[str]) -> int:
     except PreemptedError:  # the trial in progress saved its checkpoint
         return PREEMPTED_EXIT_CODE
     scores = result.scores
-    sys.stdout.write(scores.table(f"{scores.suite}: {result.model.label}", describe(cfg)))
+    sys.stdout.write(scores.table(f"{scores.suite}: {result.label}", describe(cfg)))
     summary = {
         "run_id": result.run_id,
         "output": result.output,
         "suite": scores.suite,
+        "model_name": result.label,
         "average": scores.average,
         "average_std": scores.average_std,
         "tasks": {

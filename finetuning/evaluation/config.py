@@ -121,9 +121,10 @@ class EvaluateConfig:
     threads_per_trial: int | None = None
     """CPU threads of each trial; null: the cores divided by ``parallel``."""
     model_name: str | None = None
-    """The label of the model in tables (``runs compare --suites``); null: the folder name
-    (``global_stepN`` with the folder above it for a checkpoint, NAME/VERSION for a
-    registered model)."""
+    """The label of the model in tables (the suite's table, ``runs compare --suites``), as
+    given; null: the folder name (``global_stepN`` with the folder above it for a checkpoint,
+    NAME-VERSION for a registered model), `` (random init)`` added with
+    ``finetune.random_init``."""
     watch: WatchConfig = field(default_factory=WatchConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 

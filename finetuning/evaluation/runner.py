@@ -56,6 +56,7 @@ __all__ = [
     "Trial",
     "TrialStep",
     "default_output",
+    "display_label",
     "load_checked_suite",
     "plan_trials",
     "run_suite",
@@ -67,6 +68,9 @@ RESULT = "result.json"
 TAG_TRIAL = "bertpipe.trial"
 TAG_SUITE = "bertpipe.suite"
 LEASE_TIMEOUT_S = 60.0
+RANDOM_INIT = "random init"
+"""Added to a model's label when the trials start from random weights (``finetune.random_init``)
+and no ``model_name`` is given: ``bert-base (random init)``."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,8 @@ class SuiteResult:
     model: ModelSource
     ran: int
     """Trials run by this call (the others were finished before)."""
+    label: str = ""
+    """The model's label in the suite's tables and run (:func:`display_label`)."""
 
 
 def load_checked_suite(cfg: EvaluateConfig) -> Suite:
@@ -112,10 +118,30 @@ def plan_trials(cfg: EvaluateConfig, suite: Suite) -> list[Trial]:
     ]
 
 
+def random_init(cfg: EvaluateConfig) -> bool:
+    """Whether the trials start from random weights (``finetune.random_init``)."""
+    return cfg.finetune.get("random_init") is True
+
+
+def display_label(cfg: EvaluateConfig, model: ModelSource) -> str:
+    """The model's label in tables (the ``bertpipe.model_name`` tag, the table's title):
+    ``model_name`` as given, else the model's short name, with `` (random init)`` when the
+    trials start from random weights."""
+    if cfg.model_name:
+        return cfg.model_name
+    return f"{model.label} ({RANDOM_INIT})" if random_init(cfg) else model.label
+
+
 def model_label(cfg: EvaluateConfig) -> str:
-    """The model's short name (``model_name``, else from ``model`` as given)."""
+    """The model's short name for folder names (``model_name``, else from ``model`` as
+    given, ``-random-init`` added for random weights)."""
     if cfg.model_name:
         return safe_name(cfg.model_name)
+    label = _given_label(cfg)
+    return safe_name(f"{label}-{RANDOM_INIT}") if random_init(cfg) else label
+
+
+def _given_label(cfg: EvaluateConfig) -> str:
     given = cfg.model.rstrip("/")
     if given.startswith("models:/"):
         return safe_name(given.removeprefix("models:/"))
@@ -417,7 +443,7 @@ def _run(
     tags = {
         TAG_SUITE: suite.name,
         "bertpipe.model": model.given,
-        "bertpipe.model_name": cfg.model_name or model.label,
+        "bertpipe.model_name": display_label(cfg, model),
         "bertpipe.suite_tasks": ",".join(t.name for t in suite.tasks),
     }
     if model.global_step is not None:
@@ -472,7 +498,8 @@ def _run(
             tracking.log_dict(_stable(summary), "suite_results.json")
             tracking.log_text(table, "suite_table.md")
     log.info("evaluate: %s average %.4f ± %.4f", suite.name, scores.average, scores.average_std)
-    return SuiteResult(run_id, str(output), scores, results, model, len(pending))
+    label = tags["bertpipe.model_name"]
+    return SuiteResult(run_id, str(output), scores, results, model, len(pending), label)
 
 
 def describe(cfg: EvaluateConfig) -> str:

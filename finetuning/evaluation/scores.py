@@ -8,6 +8,13 @@ in the grid); the task's result is that setting's mean and sample standard devia
 seeds (0 with one seed). The suite's **average** is the mean of the tasks' scores; its
 standard deviation is that of the per-seed averages (seed i's average is the mean over tasks
 of seed i's score at each task's chosen setting).
+
+**One scale.** A trial's metrics are what its fine-tuning run logged, each on its reference
+scorer's scale: fractions (accuracy 0.843) for every family but SQuAD, whose exact match and
+F1 are percentages (84.3), as the official ``evaluate-v2.0.py`` gives them
+(:data:`PERCENT_METRICS`). Every score here is a fraction: a trial's metrics are put on that
+scale (:func:`as_fractions`) before any mean, choice or average, so a suite that mixes SQuAD
+with GLUE averages like with like, and every table shows the same x100.
 """
 
 from __future__ import annotations
@@ -20,7 +27,22 @@ from typing import Any
 
 from bertpipe.finetuning.evaluation.suite import Suite, SuiteTask
 
-__all__ = ["SuiteScores", "TaskScore", "TrialResult", "summarise", "task_score", "trial_key"]
+__all__ = [
+    "PERCENT_METRICS",
+    "SuiteScores",
+    "TaskScore",
+    "TrialResult",
+    "as_fractions",
+    "summarise",
+    "task_score",
+    "trial_key",
+]
+
+PERCENT_METRICS = {"squad": frozenset({"exact", "f1"})}
+"""By task family, the metrics its fine-tuning runs log in percent: SQuAD's exact match and
+F1 (also as ``HasAns_``/``NoAns_`` breakdowns and under a later dev file's prefix), as
+:func:`~bertpipe.finetuning.tasks.squad.squad_metrics` and the official script report them.
+Every other metric is a fraction."""
 
 
 def trial_key(task: str, learning_rate: float, seed: int) -> str:
@@ -36,7 +58,8 @@ class TrialResult:
     learning_rate: float
     seed: int
     metrics: dict[str, float]
-    """The protocol's epoch's dev metrics (the last epoch's, or the best's)."""
+    """The protocol's epoch's dev metrics (the last epoch's, or the best's), as the trial's
+    fine-tuning run logged them (SQuAD's in percent: :data:`PERCENT_METRICS`)."""
     last: dict[str, float] = field(default_factory=dict)
     """The last epoch's dev metrics."""
     best: dict[str, float] = field(default_factory=dict)
@@ -54,9 +77,25 @@ class TrialResult:
         return asdict(self)
 
 
+def _in_percent(task: SuiteTask, name: str) -> bool:
+    metric = name.rsplit("/", 1)[-1].removeprefix("HasAns_").removeprefix("NoAns_")
+    return metric in PERCENT_METRICS.get(task.family, ())
+
+
+def as_fractions(task: SuiteTask, metrics: Mapping[str, float]) -> dict[str, float]:
+    """A trial's ``metrics`` (as its fine-tuning run logged them) with every score a fraction:
+    those :data:`PERCENT_METRICS` names for ``task``'s family divided by 100."""
+    return {
+        name: float(value) / 100.0 if _in_percent(task, name) else float(value)
+        for name, value in metrics.items()
+    }
+
+
 def task_score(task: SuiteTask, metrics: Mapping[str, float]) -> float:
-    """The mean of ``task``'s score metrics in ``metrics`` (nan if one is missing)."""
-    values = [float(metrics.get(name, math.nan)) for name in task.score]
+    """The mean of ``task``'s score metrics in a trial's ``metrics`` (as logged), as a
+    fraction (nan if one is missing)."""
+    scaled = as_fractions(task, metrics)
+    values = [scaled.get(name, math.nan) for name in task.score]
     return sum(values) / len(values)
 
 
@@ -79,7 +118,8 @@ class TaskScore:
     scores: list[float]
     """The chosen setting's score per seed (in the protocol's seed order)."""
     metrics: dict[str, tuple[float, float]]
-    """Each metric's mean and standard deviation over seeds at the chosen setting."""
+    """Each metric's mean and standard deviation over seeds at the chosen setting
+    (fractions, SQuAD's too)."""
     grid: dict[str, tuple[float, float]]
     """Each learning rate (``f"{lr:g}"``) and its score's mean and standard deviation."""
 
@@ -145,8 +185,9 @@ def summarise(
             if math.isfinite(mean) and (not math.isfinite(best) or mean > best):
                 chosen = lr
         trials = [results[trial_key(task.name, chosen, s)] for s in seeds]
+        scaled = [as_fractions(task, t.metrics) for t in trials]
         metrics = {
-            name: _mean_std([float(t.metrics.get(name, math.nan)) for t in trials])
+            name: _mean_std([m.get(name, math.nan) for m in scaled])
             for name in task.metrics or task.score
         }
         mean, std = grid[f"{chosen:g}"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -423,7 +424,39 @@ def _conll(folder: Path, n: int, seed: int) -> None:
         (folder / name).write_text("\n".join(lines) + "\n")
 
 
+def test_suite_scores_are_fractions_squad_included() -> None:
+    """SQuAD's fine-tuning runs log exact match and F1 in percent (the official script's
+    scale), the other families fractions: a suite divides SQuAD's by 100 before any mean,
+    choice or average, so its table shows every task x100 alike."""
+    from bertpipe.finetuning.evaluation.scores import TrialResult, summarise
+    from bertpipe.finetuning.evaluation.suite import Suite, SuiteTask
+    from bertpipe.finetuning.tasks.squad import squad_metrics
+
+    logged = squad_metrics({"q1": "the cat", "q2": "a dog sat on"}, {"q1": ["cat"], "q2": ["dog"]})
+    assert (logged["exact"], logged["f1"]) == (50.0, 75.0)  # percent, as the trials log it
+    qa = SuiteTask("qa", {"family": "squad"}, ("f1", "exact"), ("f1", "exact"))
+    rte = SuiteTask("rte", {"family": "glue"}, ("accuracy",), ("accuracy",))
+    trials = {
+        "qa/lr0.001-seed1": TrialResult("qa", 1e-3, 1, {"f1": 3.5, "exact": 2.5, "total": 40}),
+        "qa/lr0.001-seed2": TrialResult("qa", 1e-3, 2, {"f1": 4.5, "exact": 1.5, "total": 40}),
+        "rte/lr0.001-seed1": TrialResult("rte", 1e-3, 1, {"accuracy": 0.5}),
+        "rte/lr0.001-seed2": TrialResult("rte", 1e-3, 2, {"accuracy": 0.7}),
+    }
+    scores = summarise(Suite("mine", [qa, rte]), [1e-3], [1, 2], trials)
+    squad = scores.tasks[0]
+    assert squad.scores == pytest.approx([0.03, 0.03]) and squad.mean == pytest.approx(0.03)
+    assert squad.metrics["f1"][0] == pytest.approx(0.04)
+    assert squad.metrics["exact"][0] == pytest.approx(0.02)
+    assert scores.average == pytest.approx((0.03 + 0.6) / 2)
+    table = scores.table("mine")
+    assert "| qa | 3.0 ± 0.0 | f1 4.0 ± 0.7, exact 2.0 ± 0.7 | 0.001 |" in table
+    assert "| rte | 60.0 ± 14.1 | accuracy 60.0 ± 14.1 | 0.001 |" in table
+
+
 def test_squad_conll_and_yaml_suites(pretrained: Path, glue: Path, tmp_path: Path) -> None:
+    """The three suite kinds end to end; SQuAD's F1 and exact match on the x100 scale of the
+    others in `evaluate suite=squad`'s table and in `runs compare --suites`; a model_name
+    given is the label on the console and in the compare table."""
     from bertpipe.finetuning.evaluation.suite import check_suite, load_suite
 
     (tmp_path / "squad").mkdir()
@@ -439,7 +472,7 @@ def test_squad_conll_and_yaml_suites(pretrained: Path, glue: Path, tmp_path: Pat
 
     uri = sqlite_uri(tmp_path / "mlflow.db")
     one = ["protocol.learning_rates=[3e-3]", "protocol.seeds=[1]", "protocol.epochs=1"]
-    one += ["protocol.max_seq_length=32", "threads_per_trial=1", f"tracking.uri={uri}"]
+    one += ["threads_per_trial=1", f"tracking.uri={uri}", "tracking.experiment=kinds"]
     done = run_cli(
         [
             "evaluate",
@@ -447,6 +480,7 @@ def test_squad_conll_and_yaml_suites(pretrained: Path, glue: Path, tmp_path: Pat
             "suite=conll",
             f"data={tmp_path / 'conll'}",
             f"output_root={tmp_path / 'evaluate'}",
+            "protocol.max_seq_length=32",
             *one,
         ],
         _env(),
@@ -455,6 +489,31 @@ def test_squad_conll_and_yaml_suites(pretrained: Path, glue: Path, tmp_path: Pat
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["output"] == str(tmp_path / "evaluate" / f"conll-{pretrained.name}")
     assert summary["average"] == summary["tasks"]["conll"]["score"]
+
+    # suite=squad (max length 96: SQuAD's 64 question tokens leave 29 for the context; 2
+    # epochs at 1e-2: F1 and exact match well above 0, where a 100x would show)
+    done = run_cli(
+        [
+            "evaluate",
+            f"model={pretrained}",
+            "suite=squad",
+            f"data={tmp_path / 'squad'}",
+            f"output={tmp_path / 'squad-suite'}",
+            *one,
+            "protocol.max_seq_length=96",
+            "protocol.epochs=2",
+            "protocol.learning_rates=[1e-2]",
+        ],
+        _env(),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = _trial(tmp_path / "squad-suite", "squad", 1e-2, 1)["metrics"]  # percent
+    f1, em = f"{logged['f1']:.1f}", f"{logged['exact']:.1f}"
+    assert 1 < logged["exact"] < logged["f1"] <= 100, logged
+    row = f"| squad | {f1} ± 0.0 | f1 {f1} ± 0.0, exact {em} ± 0.0 | 0.01 |"
+    assert row in done.stdout and row in (tmp_path / "squad-suite" / "table.md").read_text()
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["tasks"]["squad"]["score"] == pytest.approx(logged["f1"] / 100, abs=1e-12)
 
     suite_yaml = tmp_path / "mine.yaml"
     suite_yaml.write_text(
@@ -471,41 +530,67 @@ tasks:
             f"model={pretrained}",
             f"suite={suite_yaml}",
             f"output={tmp_path / 'mine'}",
+            "protocol.max_seq_length=32",
+            "model_name=tiny qa",
             *one,
         ],
         _env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert list(summary["tasks"]) == ["qa", "rte"]
+    assert list(summary["tasks"]) == ["qa", "rte"] and summary["model_name"] == "tiny qa"
+    assert "### mine: tiny qa" in done.stdout  # the label given, on the console too
     trial = _trial(tmp_path / "mine", "qa", 3e-3, 1)
-    assert (
-        summary["tasks"]["qa"]["score"] == (trial["metrics"]["f1"] + trial["metrics"]["exact"]) / 2
+    assert summary["tasks"]["qa"]["score"] == pytest.approx(
+        (trial["metrics"]["f1"] + trial["metrics"]["exact"]) / 200, abs=1e-12
     )
     assert summary["average"] == pytest.approx(
         (summary["tasks"]["qa"]["score"] + summary["tasks"]["rte"]["score"]) / 2, abs=1e-12
     )
     assert "Dev scores x100 of the last epoch (of 1), mean ± std over 1 seed" in done.stdout
 
+    compare = ["runs", "compare", "--suites", f"--tracking-uri={uri}", "--experiment=kinds"]
+    shown = run_cli([*compare, "--width=0"], _env())
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rows = {cells[0]: cells[1:] for cells in map(_cells, shown.stdout.splitlines()) if cells[0]}
+    qa = f"{(trial['metrics']['f1'] + trial['metrics']['exact']) / 2:.1f} ± 0.0"
+    assert rows["squad"] == ["-", f"{f1} ± 0.0", "-"]  # newest first: mine, squad, conll
+    assert rows["qa"] == [qa, "-", "-"]
+    payload = json.loads(run_cli([*compare, "--json"], _env()).stdout)
+    names = [run["model_name"] for run in payload["runs"]]
+    assert names == ["tiny qa", pretrained.name, pretrained.name]
+    metrics = payload["runs"][1]["tasks"]["squad"]["metrics"]
+    assert metrics["f1"]["mean"] == pytest.approx(logged["f1"] / 100, abs=1e-12)
+    assert metrics["exact"]["mean"] == pytest.approx(logged["exact"] / 100, abs=1e-12)
+
+
+def _cells(line: str) -> list[str]:
+    """A text table line's cells (two or more spaces apart)."""
+    return re.split(r"\s{2,}", line.strip())
+
 
 def test_runs_compare_shows_two_models_suites_side_by_side(
     suite: dict[str, Any], pretrained: Path, glue: Path, store: str, tmp_path: Path
 ) -> None:
     """The whole suite's run (the pre-trained model) and the same architecture from random
-    weights on two tasks, as `bertpipe runs compare --suites` shows them."""
+    weights on two tasks, as `bertpipe runs compare --suites` shows them: the random-init
+    suite labelled as such without a model_name, on the console and in the compare table,
+    and in a folder of its own."""
     args = ["evaluate", f"model={pretrained}", "suite=glue", f"data={glue}", "tasks=[sst2,rte]"]
-    args += [*PROTOCOL, f"tracking.uri={store}", f"output={tmp_path / 'random'}"]
-    args += ["finetune.random_init=true", "model_name=random-init"]
-    done = run_cli(args, _env())
+    args += [*PROTOCOL, f"tracking.uri={store}", f"output_root={tmp_path}"]
+    done = run_cli([*args, "finetune.random_init=true"], _env())
     assert done.returncode == 0, done.stderr[-3000:]
     random_init = json.loads(done.stdout.strip().splitlines()[-1])
+    label = f"{pretrained.name} (random init)"
+    assert random_init["model_name"] == label and f"### glue: {label}\n" in done.stdout
+    assert random_init["output"] == str(tmp_path / f"glue-{pretrained.name}-random-init")
+    assert f"### glue: {pretrained.name}\n" in suite["stdout"]  # the pre-trained, unchanged
 
     compare = ["runs", "compare", "--suites", f"--tracking-uri={store}", "--experiment=evaluate"]
     shown = run_cli([*compare, "--width=0", f"--plot={tmp_path / 'suites.png'}"], _env())
     assert shown.returncode == 0, shown.stderr[-2000:]
     lines = shown.stdout.splitlines()
-    header = next(line for line in lines if "random-init" in line)
-    assert "bert" in header.replace("random-init", "")
+    assert _cells(next(line for line in lines if label in line))[1] == label  # newest first
     rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in TASKS}
     assert list(rows) == TASKS
     sst2 = random_init["tasks"]["sst2"]
@@ -515,7 +600,7 @@ def test_runs_compare_shows_two_models_suites_side_by_side(
     as_json = run_cli([*compare, "--json"], _env())
     payload = json.loads(as_json.stdout)
     names = [run["model_name"] for run in payload["runs"]]
-    assert as_json.returncode == 0 and names[0] == "random-init" and "bert" in " ".join(names)
+    assert as_json.returncode == 0 and names[0] == label and pretrained.name in names[1:]
 
 
 def test_bench_evaluate_reports_seconds_per_task(tmp_path: Path) -> None:

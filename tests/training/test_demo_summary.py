@@ -133,8 +133,9 @@ def test_summary_gives_the_compare_tables_numbers(tmp_path: Path) -> None:
         "random-init": scores([0.6743, 0.6782, 0.6628], [0.6084, 0.6147, 0.5933]),
     }
     lines = demo._suite_lines(
-        tmp_path, *(SimpleNamespace(scores=results[name]) for name in demo.MODELS)
+        tmp_path, *(SimpleNamespace(scores=results[name], label=name) for name in demo.MODELS)
     )
+    assert lines[3].split() == list(demo.MODELS)  # the columns: the suite runs' labels
     # the compare table reads the metrics the suite run logged
     runs = {
         name: SuiteRun(name, name, "FINISHED", 0, "python-docs", None, name, [], s.metrics())

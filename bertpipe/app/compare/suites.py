@@ -2,7 +2,7 @@
 
 ``bertpipe evaluate`` records one MLflow **suite run** (stage ``evaluate``) per model and
 suite; for each task ``T`` of the suite it logs ``T/score`` and ``T/score_std`` (the mean and
-standard deviation over seeds of the task's score, fractions), and ``average`` /
+standard deviation over seeds of the task's score, fractions: SQuAD's too), and ``average`` /
 ``average_std`` for the suite (the contract: :mod:`bertpipe.finetuning.evaluation`).
 :func:`compare_suites` finds the suite runs a
 :class:`~bertpipe.app.compare.query.CompareQuery` selects (through
