@@ -1,7 +1,7 @@
 """The command-line arguments every stage command shares, and flags made from dataclasses.
 
 Stage command modules (``preprocessing/cli.py``, ``training/cli.py``, ``finetuning/cli.py``,
-``training/cli_plan.py``) build their parsers with these helpers; the ``bertpipe`` program
+``training/plan/cli.py``) build their parsers with these helpers; the ``bertpipe`` program
 that gathers them is the application layer's (:mod:`bertpipe.app.cli`).
 
 * :func:`add_config_arguments` / :func:`config_from_args`: ``--config FILE.yaml`` and

@@ -4,7 +4,7 @@ safetensors, ``torch.load`` and DeepSpeed read and write local paths. A model fo
 object storage (an export, ``init_from=s3://…``) is therefore downloaded into a temporary
 folder to be read (:func:`local_copy`), and written into one and then uploaded
 (:func:`writable_copy`). Checkpoints have their own protocol
-(:mod:`bertpipe.training.ckpt_store`).
+(:mod:`bertpipe.training.checkpoint.store`).
 """
 
 from __future__ import annotations

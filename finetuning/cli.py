@@ -49,7 +49,7 @@ def _finetune(args: argparse.Namespace, passthrough: list[str]) -> int:
     checkpoints = cfg.checkpoint.dir or (cfg.output and fsio.join(cfg.output, "checkpoints"))
     tracking.check_new_run(cfg.tracking, checkpoints)  # before torch and DeepSpeed
     from bertpipe.finetuning.run import run_finetuning
-    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
+    from bertpipe.training.core.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
     try:
         result = run_finetuning(cfg)
@@ -98,7 +98,7 @@ def _sweep(args: argparse.Namespace, passthrough: list[str]) -> int:
         return 0
     from bertpipe import tracking
     from bertpipe.finetuning.sweep import run_sweep
-    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
+    from bertpipe.training.core.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
     tracking.check_new_run(cfg.tracking)  # a sweep's run is new: before DeepSpeed starts
     try:

@@ -31,7 +31,7 @@ from bertpipe.finetuning.tasks.base import (
     take,
 )
 from bertpipe.seeding import rng_for
-from bertpipe.training.step import to_device
+from bertpipe.training.core.step import to_device
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from bertpipe.training.hf import load_into
-from bertpipe.training.model import BertModel, BertModelConfig, Dropout, init_weights
+from bertpipe.training.models.bert.hf import load_into
+from bertpipe.training.models.bert.model import BertModel, BertModelConfig, Dropout, init_weights
 
 if TYPE_CHECKING:
     from bertpipe.finetuning.tasks.base import TaskSpec

@@ -28,7 +28,7 @@ from bertpipe.finetuning.heads import (
     BertTaskModel,
 )
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.model import BertModelConfig
+from bertpipe.training.models.bert.model import BertModelConfig
 
 __all__ = [
     "Initialisation",
@@ -84,7 +84,7 @@ def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
 
 def _load_hf_initialisation(cfg: FinetuneConfig, source: Path, url: str) -> Initialisation:
     """An export read from local folder ``source`` (a copy of ``url``)."""
-    from bertpipe.training.hf import load_hf_folder
+    from bertpipe.training.models.bert.hf import load_hf_folder
 
     model_cfg, weights = load_hf_folder(source)
     lineage = {}
@@ -127,7 +127,7 @@ def _load_checkpoint_initialisation(cfg: FinetuneConfig, folder: str) -> Initial
 def load_task_model(folder: str | Path) -> BertTaskModel:
     """The fine-tuned model saved in ``folder`` (a run's ``best/``) as its bertpipe task model,
     in eval mode."""
-    from bertpipe.training.hf import load_hf_folder, load_into
+    from bertpipe.training.models.bert.hf import load_hf_folder, load_into
 
     hf_config = json.loads((Path(folder) / "config.json").read_text())
     architecture = (hf_config.get("architectures") or [""])[0]

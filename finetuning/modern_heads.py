@@ -21,8 +21,8 @@ from bertpipe.finetuning.heads import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
-from bertpipe.training.model import Dropout
-from bertpipe.training.modern_model import (
+from bertpipe.training.models.bert.model import Dropout
+from bertpipe.training.models.modernbert.model import (
     ModernBertModel,
     ModernBertModelConfig,
     ModernBertPredictionHead,

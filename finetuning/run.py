@@ -8,10 +8,10 @@ final ones), and its MLflow run. Runs are deterministic for a seed: head init, d
 data order all come from it. Metrics are logged against the optimizer step (``epoch`` is a
 metric of its own).
 
-The loop (:func:`~bertpipe.training.loop.run_loop`: the guarded step, ``max_bad_steps``,
+The loop (:func:`~bertpipe.training.core.loop.run_loop`: the guarded step, ``max_bad_steps``,
 checkpoints every ``checkpoint.every_steps`` steps and on SIGTERM, exit status 143, the save
 of the last good step after an error), the checkpoints
-(:class:`~bertpipe.training.ckpt_manager.CheckpointManager`) and the engine are pre-training's.
+(:class:`~bertpipe.training.core.checkpoints.CheckpointManager`) and the engine are pre-training's.
 Started again with the same ``output`` a run continues from the latest checkpoint
 (``checkpoint.resume=auto``) with the same batches, dropout, partial epoch loss and best epoch
 so far, so it ends with the metrics the uninterrupted run has; on another world size it
@@ -57,25 +57,25 @@ from bertpipe.finetuning.initialisation import (
     load_task_model,
 )
 from bertpipe.finetuning.run_folder import run_folder
-from bertpipe.training import faults as fault_injection
-from bertpipe.training.cadence import Cadence, PreemptedError, StopFlag
-from bertpipe.training.ckpt_manager import CheckpointManager, Position, Restored, StageState
-from bertpipe.training.engine import (
+from bertpipe.training.core import faults as fault_injection
+from bertpipe.training.core.cadence import Cadence, PreemptedError, StopFlag
+from bertpipe.training.core.checkpoints import CheckpointManager, Position, Restored, StageState
+from bertpipe.training.core.engine import (
     DistInfo,
     EngineSpec,
     build_engine,
     engine_spec,
     init_distributed,
 )
-from bertpipe.training.families import with_dropout
-from bertpipe.training.faults import Faults
-from bertpipe.training.guard import SkipGuard
-from bertpipe.training.hardware import check_hardware, local_hardware
-from bertpipe.training.loop import run_loop
-from bertpipe.training.peers import watched
-from bertpipe.training.resume import FINETUNE_FIXED, mlflow_tags
-from bertpipe.training.schedules import warmup_decay
-from bertpipe.training.step import StepResult
+from bertpipe.training.core.faults import Faults
+from bertpipe.training.core.guard import SkipGuard
+from bertpipe.training.core.hardware import check_hardware, local_hardware
+from bertpipe.training.core.loop import run_loop
+from bertpipe.training.core.peers import watched
+from bertpipe.training.core.resume import FINETUNE_FIXED, mlflow_tags
+from bertpipe.training.core.schedules import warmup_decay
+from bertpipe.training.core.step import StepResult
+from bertpipe.training.models.families import with_dropout
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,7 @@ class Finetuner:
         torch.manual_seed(self.cfg.seed)  # the head's initialisation, identical on every rank
         model = build_head(self.data.spec, self.model_cfg, self.cfg.classifier_dropout)
         if not self.cfg.random_init:
-            from bertpipe.training.hf import load_into
+            from bertpipe.training.models.bert.hf import load_into
 
             load_into(model, self.init.weights, strict_heads=False)
         torch.manual_seed(self.cfg.seed + 1000 * self.info.rank)  # dropout
@@ -557,7 +557,7 @@ def run_finetuning(
 ) -> FinetuneResult:
     """Join (or form) the distributed job and fine-tune; returns the best epoch's metrics.
 
-    A SIGTERM saves a checkpoint and raises :class:`~bertpipe.training.cadence.PreemptedError`
+    A SIGTERM saves a checkpoint and raises :class:`~bertpipe.training.core.cadence.PreemptedError`
     (``bertpipe finetune`` exits 143). ``faults``: what tests break (default: what a test's
     entry point installed, nothing in real runs)."""
     # before the process group: a device that cannot run the config is one line per rank

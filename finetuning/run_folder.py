@@ -26,7 +26,7 @@ from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.fsio import storage_errors
 from bertpipe.lease import LEASE_NAME, Lease, OutputInUseError, OutputUnwritableError
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.engine import DistInfo
+from bertpipe.training.core.engine import DistInfo
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from bertpipe.finetuning.initialisation import load_initialisation
 from bertpipe.finetuning.publish import TAG_REGISTERED, register_best
 from bertpipe.finetuning.run import FinetuneResult, run_finetuning
 from bertpipe.finetuning.run_folder import run_folder
-from bertpipe.training.engine import DistInfo, init_distributed
+from bertpipe.training.core.engine import DistInfo, init_distributed
 
 log = logging.getLogger(__name__)
 

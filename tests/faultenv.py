@@ -1,7 +1,7 @@
 """Faults asked for through the environment, for runs the tests cannot pass a ``Faults`` to.
 
 The test suite's entry points install :func:`from_environ` as the fault provider of
-:mod:`bertpipe.training.faults`: ``tests/conftest.py`` in the pytest process (a test sets a
+:mod:`bertpipe.training.core.faults`: ``tests/conftest.py`` in the pytest process (a test sets a
 variable with ``monkeypatch.setenv`` and runs in-process), ``tests/faultinject/
 sitecustomize.py`` in the child processes tests start with ``tests/faultinject`` on
 ``PYTHONPATH`` (:func:`child_pythonpath`; every rank a launcher starts inherits it).
@@ -46,7 +46,7 @@ import signal
 from collections.abc import Mapping
 from pathlib import Path
 
-from bertpipe.training import faults
+from bertpipe.training.core import faults
 
 FAULT_NAN_STEPS = "BERTPIPE_FAULT_NAN_STEPS"
 FAULT_RAISE_STEP = "BERTPIPE_FAULT_RAISE_STEP"

@@ -4,7 +4,7 @@ Debian's translations of the GIMP manual (``gimp-help-ko``, ``gimp-help-ja``,
 ``gimp-help-zh-cn``): ``.ci/run`` unpacks their HTML pages into ``.cache/gimp-help/<lang>/``
 where it runs as root with apt-get (docs/languages.md gives the two commands to do it by
 hand). The ``gimp_help`` fixture gives a language's pages as text (extracted once per
-session by :func:`bertpipe.preprocessing.bench_sentences.help_pages`); a test asking for a
+session by :func:`bertpipe.app.bench.sentences.help_pages`); a test asking for a
 language whose pages are absent is skipped, saying how to fetch them.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bertpipe.preprocessing.bench_sentences import GIMP_HELP_PACKAGES, help_pages
+from bertpipe.app.bench.sentences import GIMP_HELP_PACKAGES, help_pages
 
 PAGES = Path(__file__).resolve().parents[1] / ".cache" / "gimp-help"
 """Where .ci/run puts the pages: one folder per language code (``ko``, ``ja``, ``zh``)."""

@@ -113,7 +113,7 @@ def test_makefile_targets() -> None:
 
 def test_run_list_order_and_commands_are_accepted(tmp_path: Path) -> None:
     from bertpipe.config import load_config
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
 
     runs = _dry_run(tmp_path)
     bench = [name for name in runs if name in BENCH_RUNS]
@@ -141,7 +141,7 @@ def test_run_list_order_and_commands_are_accepted(tmp_path: Path) -> None:
         if (ROOT / "training" / "bench_train.py").exists():
             import argparse
 
-            from bertpipe.training.bench_train import add_arguments
+            from bertpipe.app.bench.train import add_arguments
 
             parser = argparse.ArgumentParser()
             add_arguments(parser)
@@ -165,7 +165,7 @@ def test_plan_fit_runs_and_its_planned_runs_are_accepted(tmp_path: Path) -> None
     line; each planned run's overrides, with the chosen micro batch, load on the written
     config into one micro batch per step at the plan's ZeRO stage and budget."""
     from bertpipe.config import load_config
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
     from tests.cli_runner import run_cli
 
     runs = _dry_run(tmp_path)
@@ -242,9 +242,7 @@ def test_helper_records_and_summarises(tmp_path: Path) -> None:
     out.write_text("no json here\n")
     err.write_text("")
     assert record("p1-pad", 124, 90).returncode == 1
-    line = (
-        "12:00:00 INFO bertpipe.training.trainer: phase1 step {s}/200 (global {s}): loss {l} mlm 1 "
-    )
+    line = "12:00:00 INFO bertpipe.training.pretrain.trainer: phase1 step {s}/200 (global {s}): loss {l} mlm 1 "
     line += "nsp 0.6 mlm_acc 0.1 nsp_acc 0.5 lr 1.0e-03 {r} seq/s"
     points = ((20, 9.5, 100.0), (200, 6.25, 2500.5))
     err.write_text("\n".join(line.format(s=s, l=loss, r=r) for s, loss, r in points))
@@ -289,12 +287,12 @@ def test_training_and_the_benchmark_import_without_mlflow_or_beam() -> None:
         "import sys\n"
         "for name in ('mlflow', 'apache_beam'):\n"
         "    sys.modules[name] = None  # any import of them raises ImportError\n"
-        "import bertpipe.training.trainer, bertpipe.training.data, bertpipe.training.engine\n"
+        "import bertpipe.training.pretrain.trainer, bertpipe.training.pretrain.data.loader, bertpipe.training.core.engine\n"
         "import bertpipe.app.cli\n"
         "bertpipe.app.cli.build_parser()  # imports every command's module\n"
         "import os\n"
-        "if os.path.exists('training/bench_train.py'):\n"
-        "    import bertpipe.training.bench_train\n"
+        "if os.path.exists('bertpipe/app/bench/train.py'):\n"
+        "    import bertpipe.app.bench.train\n"
         "print('ok')\n"
     )
     proc = subprocess.run(
@@ -322,7 +320,7 @@ def test_check_runs_end_to_end_in_smoke_mode(
     pretrain_shards: Path,
 ) -> None:
     if not (ROOT / "training" / "bench_train.py").exists():
-        pytest.skip("training/bench_train.py (`bench train`) does not exist yet")
+        pytest.skip("bertpipe/app/bench/train.py (`bench train`) does not exist yet")
     # the demo's layout: seq128 for phase 1; phase 2's folder is only read for its manifest
     shards = tmp_path / "shards"
     shards.mkdir()

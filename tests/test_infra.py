@@ -199,7 +199,7 @@ def test_pretrain_job_is_consistent_with_its_service_and_world() -> None:
 
 def test_k8s_config_runs_on_the_jobs_world_and_follows_the_shipped_recipe() -> None:
     from bertpipe.config import load_config, to_dict
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
 
     env = _container_env(_job()["spec"]["template"]["spec"]["containers"][0])
     world = int(env["NUM_NODES"]) * int(env["GPUS_PER_NODE"])
@@ -257,7 +257,7 @@ def _render_with_object_storage(tmp_path: Path) -> list[dict[str, Any]]:
 
 def test_object_storage_config_is_the_k8s_config_with_every_path_on_s3() -> None:
     from bertpipe.config import load_config, to_dict
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
 
     env = _container_env(_job()["spec"]["template"]["spec"]["containers"][0])
     cfg = load_config(PretrainConfig, str(OBJECT_STORAGE / "config" / "pretrain.yaml"))

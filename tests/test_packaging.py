@@ -51,10 +51,10 @@ def test_bertpipe_modules_import_beside_a_decoy_on_sys_path(tmp_path: Path) -> N
     _decoys(tmp_path)
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "import bertpipe.training.trainer, bertpipe.preprocessing.pipeline, "
+        "import bertpipe.training.pretrain.trainer, bertpipe.preprocessing.pipeline, "
         "bertpipe.finetuning.run\n"
         "assert 'training' not in sys.modules and 'preprocessing' not in sys.modules\n"
-        "print(bertpipe.training.trainer.__name__)\n"
+        "print(bertpipe.training.pretrain.trainer.__name__)\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
@@ -64,7 +64,7 @@ def test_bertpipe_modules_import_beside_a_decoy_on_sys_path(tmp_path: Path) -> N
         text=True,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "bertpipe.training.trainer"
+    assert proc.stdout.strip() == "bertpipe.training.pretrain.trainer"
 
 
 @pytest.mark.integration

@@ -43,7 +43,7 @@ def add_pretrain_command(sub: argparse._SubParsersAction) -> None:
         help="pre-train BERT with DeepSpeed (run it under the deepspeed launcher for >1 process)",
         description=PRETRAIN_DESCRIPTION,
         raw_description=True,
-        config="bertpipe.training.config:PretrainConfig",
+        config="bertpipe.training.pretrain.config:PretrainConfig",
         example="zero.stage=2 'phases[0].max_steps=500'",
         examples=[
             "bertpipe pretrain --config demo output=runs/try1  # one process, no launcher",
@@ -56,7 +56,7 @@ def add_pretrain_command(sub: argparse._SubParsersAction) -> None:
 
 
 def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
 
     cfg = config_from_args(PretrainConfig, args)
     if cfg is None:  # --print-config and the like: no torch to import (infra scripts use it)
@@ -70,7 +70,11 @@ def _pretrain(args: argparse.Namespace, passthrough: list[str]) -> int:
     tracking.check_new_run(cfg.tracking, cfg.checkpoint_dir)  # before torch and DeepSpeed
     import torch.distributed as dist
 
-    from bertpipe.training.trainer import PREEMPTED_EXIT_CODE, PreemptedError, run_pretraining
+    from bertpipe.training.pretrain.trainer import (
+        PREEMPTED_EXIT_CODE,
+        PreemptedError,
+        run_pretraining,
+    )
 
     owned = not dist.is_initialized()  # a group this command forms is this command's to end
     together = False  # all ranks got here together: safe to meet at a barrier

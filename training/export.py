@@ -38,7 +38,7 @@ import torch
 from bertpipe import fsio, staging, tracking
 from bertpipe.errors import BertpipeError
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.families import config_from_dict, pretraining_model
+from bertpipe.training.models.families import config_from_dict, pretraining_model
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _weights_only_everywhere() -> Iterator[None]:
     import os
     import pickle
 
-    from bertpipe.training.engine import UnsafeCheckpointError, _checkpoint_globals
+    from bertpipe.training.core.engine import UnsafeCheckpointError, _checkpoint_globals
 
     before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
@@ -220,7 +220,7 @@ def _write_export(
 ) -> dict[str, Any]:
     """The HF folder and its ``bertpipe_export.json`` in local folder ``target``."""
     from bertpipe.preprocessing.tokenizer import SpecialTokens, tokenizer_checksum
-    from bertpipe.training.hf import save_hf_folder
+    from bertpipe.training.models.bert.hf import save_hf_folder
 
     specials = SpecialTokens.from_tokenizer(tok, source)
     token_ids = {"cls": specials.cls, "sep": specials.sep, "pad": specials.pad}

@@ -41,7 +41,7 @@ COMMANDS: dict[str, str] = {
     "evaluate": "bertpipe.finetuning.evaluation.cli:add_evaluate_command",
     "bench": "bertpipe.app.bench:add_bench_command",
     "demo": "bertpipe.app.demo:add_demo_command",
-    "plan": "bertpipe.training.cli_plan:add_plan_command",
+    "plan": "bertpipe.training.plan.cli:add_plan_command",
     "runs": "bertpipe.app.compare.cli:add_runs_command",
     "configs": "bertpipe.recipes:add_configs_command",
 }

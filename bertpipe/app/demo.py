@@ -237,8 +237,8 @@ def _preprocess(
 def _pretrain(out: Path, common: list[str], size: Size = FULL) -> object:
     """Both phases of a tiny BERT on CPU, from configs/pretrain-demo.yaml."""
     from bertpipe.config import load_config
-    from bertpipe.training.config import PretrainConfig
-    from bertpipe.training.trainer import run_pretraining
+    from bertpipe.training.pretrain.config import PretrainConfig
+    from bertpipe.training.pretrain.trainer import run_pretraining
 
     cfg = load_config(
         PretrainConfig,

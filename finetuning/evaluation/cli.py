@@ -54,7 +54,7 @@ def _evaluate(args: argparse.Namespace, passthrough: list[str]) -> int:
     cfg = config_from_args(EvaluateConfig, args)
     if cfg is None:
         return 0
-    from bertpipe.training.cadence import PREEMPTED_EXIT_CODE, PreemptedError
+    from bertpipe.training.core.cadence import PREEMPTED_EXIT_CODE, PreemptedError
 
     try:
         if args.watch:

@@ -216,7 +216,7 @@ for part in configs preprocessing training finetuning; do
     ln -s "$ROOT/$part" "$SRC/bertpipe/$part"
 done
 export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}"
-if ! "$PY" -c "import bertpipe.app.cli, bertpipe.training.trainer, bertpipe.training.data, deepspeed" \
+if ! "$PY" -c "import bertpipe.app.cli, bertpipe.training.pretrain.trainer, bertpipe.training.pretrain.data.loader, deepspeed" \
     >>"$LOG" 2>&1; then
     setup_failed "bertpipe's training modules do not import (see the log)"
 fi

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-# what `bertpipe pretrain` logs every log_every_steps optimizer steps (training/trainer.py)
+# what `bertpipe pretrain` logs every log_every_steps optimizer steps (training/pretrain/trainer.py)
 LOSS_LINE = re.compile(
     r"(?P<phase>\S+) step (?P<step>\d+)/(?P<total>\d+) \(global \d+\): "
     r"loss (?P<loss>\S+) .*? (?P<rate>[0-9.]+) seq/s"

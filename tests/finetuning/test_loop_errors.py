@@ -30,8 +30,8 @@ from bertpipe.config import load_config, to_yaml
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.run import FinetuneResult, run_finetuning
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.cadence import PreemptedError
-from bertpipe.training.faults import Faults
+from bertpipe.training.core.cadence import PreemptedError
+from bertpipe.training.core.faults import Faults
 from tests.conftest import free_port, sqlite_uri
 from tests.finetuning.test_loop import _glue_files
 from tests.training.test_pretrain import _env

@@ -16,7 +16,7 @@ from bertpipe.finetuning.modern_heads import (
     ModernBertForTokenClassification,
 )
 from bertpipe.finetuning.run import run_finetuning
-from bertpipe.training.hf import load_hf_folder, save_hf_folder
+from bertpipe.training.models.bert.hf import load_hf_folder, save_hf_folder
 from tests.conftest import sqlite_uri
 from tests.finetuning.test_loop import _cfg
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bertpipe.finetuning.run import load_task_model, run_finetuning
-from bertpipe.training.guard import NonFiniteError
+from bertpipe.training.core.guard import NonFiniteError
 from tests.conftest import sqlite_uri
 from tests.faultenv import FAULT_NAN_STEPS
 from tests.finetuning.test_loop import _cfg

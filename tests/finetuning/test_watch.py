@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.trainer import run_pretraining
+from bertpipe.training.pretrain.trainer import run_pretraining
 from tests.cli_runner import run_cli
 from tests.conftest import WORDS, sqlite_uri
 from tests.faultenv import FAULT_SIGNAL

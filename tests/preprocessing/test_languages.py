@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bertpipe.preprocessing.bench_sentences import (
+from bertpipe.app.bench.sentences import (
     endings_found,
     html_text,
     preprocess_pages,

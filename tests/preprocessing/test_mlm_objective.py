@@ -18,8 +18,8 @@ from bertpipe.preprocessing.instances import DocumentSet
 from bertpipe.preprocessing.packing import SentenceTable, assemble_packed, pack_sentences
 from bertpipe.preprocessing.run import run_preprocess
 from bertpipe.preprocessing.shard_format import InstanceBlock, read_shard
-from bertpipe.training.data import PretrainingData
-from bertpipe.training.manifest import DataError, load_manifest, validate_manifest
+from bertpipe.training.pretrain.data.loader import PretrainingData
+from bertpipe.training.pretrain.data.manifest import DataError, load_manifest, validate_manifest
 from tests.conftest import synthetic_documents, write_sentence_files
 from tests.preprocessing.helpers import tokenized_docs
 
@@ -290,7 +290,7 @@ def test_mlm_job_writes_packed_single_segment_instances(
 def test_loader_masks_mlm_shards_at_the_manifests_rate(
     mlm_shards: tuple[Path, dict[str, dict]],  # type: ignore[type-arg]
 ) -> None:
-    """training/data.py on the mlm shards (masking none): every instance gets
+    """training/pretrain/data/loader.py on the mlm shards (masking none): every instance gets
     round(0.3 x length) predictions drawn among its non-special tokens, 80% of them [MASK]."""
     out, manifests = mlm_shards
     ids = manifests["seq64"]["special_token_ids"]

@@ -39,7 +39,7 @@ def _upload_shards(s3, shards: Path) -> str:
 
 def _config(tmp: Path, shards: str, checkpoints: str, steps: int, **extra: object) -> Path:
     from bertpipe.config import load_config
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
 
     uri = sqlite_uri(tmp / "mlflow.db")
     items = [
@@ -156,7 +156,11 @@ def test_a_rank_that_never_uploads_is_not_published(s3) -> None:
     A marker of an earlier, killed attempt of the same tag does not count."""
     import s3fs
 
-    from bertpipe.training.ckpt_store import CheckpointUploadError, RemoteCheckpoints, marker_name
+    from bertpipe.training.checkpoint.store import (
+        CheckpointUploadError,
+        RemoteCheckpoints,
+        marker_name,
+    )
 
     fs = s3fs.S3FileSystem()
     store = RemoteCheckpoints(f"{s3.bucket}/ck", publish_timeout_s=0.5)
@@ -182,7 +186,11 @@ def test_a_file_changed_on_the_store_is_refused_on_download(s3, tmp_path: Path) 
 
     import s3fs
 
-    from bertpipe.training.ckpt_store import CheckpointDamagedError, RemoteCheckpoints, marker_name
+    from bertpipe.training.checkpoint.store import (
+        CheckpointDamagedError,
+        RemoteCheckpoints,
+        marker_name,
+    )
 
     fs = s3fs.S3FileSystem()
     store = RemoteCheckpoints(f"{s3.bucket}/crc", local_dir=str(tmp_path / "staging"))

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from bertpipe.config import load_config
-from bertpipe.training.config import PretrainConfig
-from bertpipe.training.engine import DistInfo, EngineSpec, build_engine, init_distributed
-from bertpipe.training.optim import client_optimizer, reset_step_counters, zero_partitions
+from bertpipe.training.core.engine import DistInfo, EngineSpec, build_engine, init_distributed
+from bertpipe.training.core.optim import client_optimizer, reset_step_counters, zero_partitions
+from bertpipe.training.pretrain.config import PretrainConfig
 
 GLOBAL_BATCH = 8
 

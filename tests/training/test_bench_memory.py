@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from bertpipe.training.bench_memory_tally import ActivationMeter, StorageTally
-from bertpipe.training.model import BertModelConfig
+from bertpipe.app.bench.memory_tally import ActivationMeter, StorageTally
+from bertpipe.training.models.bert.model import BertModelConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

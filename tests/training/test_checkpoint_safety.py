@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 from bertpipe.config import load_config
-from bertpipe.training.config import PretrainConfig
-from bertpipe.training.engine import (
+from bertpipe.training.core.engine import (
     EngineSpec,
     UnsafeCheckpointError,
     build_engine,
     init_distributed,
 )
+from bertpipe.training.pretrain.config import PretrainConfig
 
 pytestmark = pytest.mark.integration
 

@@ -263,7 +263,7 @@ def test_disk_full_during_a_save(pretrain_shards: Path, tmp_path: Path) -> None:
 def test_a_save_short_of_inodes_is_refused_before_writing(tmp_path: Path) -> None:
     """The check before a save counts inodes as well as bytes: a checkpoint of as many
     files as the last one, with fewer inodes free on its file system, is refused first."""
-    from bertpipe.training import disk_space
+    from bertpipe.training.checkpoint import disk as disk_space
 
     disk = tmp_path / "disk"
     with _small_disk(disk, 8, inodes=12) as resize:
@@ -289,7 +289,7 @@ def test_a_quota_error_is_a_full_disk(tmp_path: Path) -> None:
     import errno
 
     from bertpipe.errors import DiskFullError
-    from bertpipe.training import disk_space
+    from bertpipe.training.checkpoint import disk as disk_space
 
     target = tmp_path / "global_step8"
     target.mkdir()

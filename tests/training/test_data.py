@@ -17,10 +17,19 @@ import torch
 from bertpipe import fsio
 from bertpipe.errors import TransientError
 from bertpipe.preprocessing.shard_format import InstanceBlock, write_tar
-from bertpipe.training.collate import BATCH_KEYS, collate_block, pack_batch, unpack_batch
-from bertpipe.training.config import DataConfig, EvalConfig, PhaseSpec
-from bertpipe.training.data import PretrainingData, build_pretraining_data, partition_blocks
-from bertpipe.training.manifest import DataError
+from bertpipe.training.pretrain.config import DataConfig, EvalConfig, PhaseSpec
+from bertpipe.training.pretrain.data.collate import (
+    BATCH_KEYS,
+    collate_block,
+    pack_batch,
+    unpack_batch,
+)
+from bertpipe.training.pretrain.data.loader import (
+    PretrainingData,
+    build_pretraining_data,
+    partition_blocks,
+)
+from bertpipe.training.pretrain.data.manifest import DataError
 
 SPECIALS = {"pad": 5, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 VOCAB = 1000

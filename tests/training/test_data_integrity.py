@@ -24,9 +24,9 @@ from bertpipe.app.cli import main
 from bertpipe.errors import BertpipeError, TransientError
 from bertpipe.preprocessing.shard_format import write_tar
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.collate import IdRangeError, check_ids
-from bertpipe.training.data import PretrainingData
-from bertpipe.training.manifest import DataError, load_manifest
+from bertpipe.training.pretrain.data.collate import IdRangeError, check_ids
+from bertpipe.training.pretrain.data.loader import PretrainingData
+from bertpipe.training.pretrain.data.manifest import DataError, load_manifest
 from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 from tests.training.test_data import (
@@ -143,7 +143,7 @@ def test_read_error_mid_shard_continues_after_the_last_block(
     """The shard's stream fails after some blocks were delivered (a lost connection: the
     stream raises OSError once, after 3,000 bytes): the retry reopens the shard and continues
     after the last block yielded, no block twice, none lost."""
-    from bertpipe.training import shards as data_module
+    from bertpipe.training.pretrain.data import shards as data_module
 
     folder = local_phase(tmp_path)
     url = str(folder / "train-00000.tar")

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from bertpipe import fsio
-from bertpipe.training import shards as data_module
-from bertpipe.training.data import PretrainingData
+from bertpipe.training.pretrain.data import shards as data_module
+from bertpipe.training.pretrain.data.loader import PretrainingData
 from tests.training.test_data import assert_same, ids_of, take, write_phase
 from tests.training.test_data_integrity import add_checksums
 
@@ -165,8 +165,8 @@ def test_a_shard_missing_from_the_bucket_at_start_is_retried_then_transient(
     (retried, then exit 75 naming it), and one back before the retries end is found (the
     listing is not served from s3fs's cache)."""
     from bertpipe.errors import TransientError
-    from bertpipe.training.config import PhaseSpec
-    from bertpipe.training.manifest import read_phase_data
+    from bertpipe.training.pretrain.config import PhaseSpec
+    from bertpipe.training.pretrain.data.manifest import read_phase_data
 
     _, remote = _phases(s3, tmp_path)
     shard = fsio.join(remote, "train-00002.tar")

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from bertpipe.errors import TransientError
-from bertpipe.training.data import PretrainingData
-from bertpipe.training.manifest import DataError
+from bertpipe.training.pretrain.data.loader import PretrainingData
+from bertpipe.training.pretrain.data.manifest import DataError
 from tests.training.test_data import UNEVEN, write_phase
 from tests.training.test_data_integrity import add_checksums
 from tests.training.test_pretrain import _env
@@ -221,7 +221,7 @@ def test_pretrain_error_in_a_worker_exits_with_its_status_within_10s(
 
 _RAISES = """
 import multiprocessing, sys
-from bertpipe.training.data import PretrainingData
+from bertpipe.training.pretrain.data.loader import PretrainingData
 
 def first_batch_then_raise():
     batches = iter(PretrainingData(sys.argv[1], micro_batch_size=3, num_workers=2))
@@ -265,7 +265,7 @@ def test_workers_die_with_their_parent(tmp_path: Path, children: list[Child]) ->
     script = tmp_path / "waits.py"
     script.write_text(
         "import sys\n"
-        "from bertpipe.training.data import PretrainingData\n"
+        "from bertpipe.training.pretrain.data.loader import PretrainingData\n"
         "data = PretrainingData(sys.argv[1], micro_batch_size=3, num_workers=2,\n"
         "                       read_retries=1, read_retry_delay=60, verify_checksums=False)\n"
         "next(iter(data))\n"

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.guard import guard_updates as _skip_nonfinite_updates
-from bertpipe.training.guard import poisoned as _poisoned
-from bertpipe.training.guard import weights_finite as _weights_finite
-from bertpipe.training.trainer import run_pretraining
+from bertpipe.training.core.guard import guard_updates as _skip_nonfinite_updates
+from bertpipe.training.core.guard import poisoned as _poisoned
+from bertpipe.training.core.guard import weights_finite as _weights_finite
+from bertpipe.training.pretrain.trainer import run_pretraining
 from tests.cli_runner import run_cli
 from tests.conftest import free_port, sqlite_uri
 from tests.faultenv import FAULT_NAN_STEPS, FAULT_RAISE_STEP, FAULT_RANK
@@ -63,12 +63,12 @@ def test_nonfinite_step_leaves_weights_optimizer_and_lr_untouched(
     """A real engine: one good step, then a step whose loss is NaN. At ZeRO 1/2 DeepSpeed skips
     it (fp32 too: its gradient-norm check); at ZeRO 0 the trainer's guard does. Either way the
     weights, the optimizer state and the LR are those of before, and ``skipped_steps`` is 1."""
-    from bertpipe.training.data import PretrainingData
-    from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
-    from bertpipe.training.manifest import read_phase_data
-    from bertpipe.training.model import BertForPreTraining
-    from bertpipe.training.phases import model_config
-    from bertpipe.training.step import BatchPrep
+    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.step import BatchPrep
+    from bertpipe.training.models.bert.model import BertForPreTraining
+    from bertpipe.training.pretrain.data.loader import PretrainingData
+    from bertpipe.training.pretrain.data.manifest import read_phase_data
+    from bertpipe.training.pretrain.phases import model_config
 
     cfg = _cfg(pretrain_shards, tmp_path, f"sqlite:///{tmp_path / 'db'}", zero__stage=stage)
     phase = cfg.phases[0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bertpipe.training.flops import mfu, peak_flops, training_flops_per_sequence
-from bertpipe.training.model import BertModelConfig
+from bertpipe.training.models.bert.model import BertModelConfig
+from bertpipe.training.models.flops import mfu, peak_flops, training_flops_per_sequence
 
 
 def test_hand_computed_tiny_case() -> None:

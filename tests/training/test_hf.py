@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.training.hf import (
+from bertpipe.training.models.bert.hf import (
     export_state_dict,
     hf_config_dict,
     load_hf_folder,
     load_into,
     save_hf_folder,
 )
-from bertpipe.training.model import BertForPreTraining, BertModel, BertModelConfig
+from bertpipe.training.models.bert.model import BertForPreTraining, BertModel, BertModelConfig
 
 VOCAB = 1003  # not a multiple of 8: the export must strip the padding
 
@@ -183,7 +183,7 @@ def test_bench_model_runs_and_prints_one_json_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("transformers")
-    from bertpipe.training.bench_model import main
+    from bertpipe.app.bench.model import main
 
     monkeypatch.setattr("bertpipe.logs.setup_logging", lambda *args, **kwargs: None)
 

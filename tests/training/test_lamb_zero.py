@@ -72,7 +72,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str, 
 
 
 def _one_rank_without_zero() -> Result:
-    from bertpipe.training.engine import init_distributed
+    from bertpipe.training.core.engine import init_distributed
     from tests.training.lamb_zero_worker import train
 
     info = init_distributed()

@@ -15,9 +15,9 @@ from bertpipe import fsio
 from bertpipe.config import ConfigError
 from bertpipe.errors import TransientError
 from bertpipe.fsio import RetryPolicy
-from bertpipe.training.config import DataConfig, EvalConfig, PhaseSpec
-from bertpipe.training.data import PretrainingData, build_pretraining_data
-from bertpipe.training.manifest import (
+from bertpipe.training.pretrain.config import DataConfig, EvalConfig, PhaseSpec
+from bertpipe.training.pretrain.data.loader import PretrainingData, build_pretraining_data
+from bertpipe.training.pretrain.data.manifest import (
     DataError,
     DataMismatchError,
     Manifest,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bertpipe.config import ConfigError, from_dict
-from bertpipe.training.model import (
+from bertpipe.training.models.bert.model import (
     PRESETS,
     BertForPreTraining,
     BertLayer,

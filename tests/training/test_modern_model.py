@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from bertpipe.config import ConfigError
-from bertpipe.training.attention import Varlen
-from bertpipe.training.families import config_from_dict, pretraining_model
-from bertpipe.training.flops import training_flops
-from bertpipe.training.hf import load_hf_folder, load_into, save_hf_folder
-from bertpipe.training.modern_model import ModernBertForMaskedLM, ModernBertModelConfig
+from bertpipe.training.models.attention import Varlen
+from bertpipe.training.models.bert.hf import load_hf_folder, load_into, save_hf_folder
+from bertpipe.training.models.families import config_from_dict, pretraining_model
+from bertpipe.training.models.flops import training_flops
+from bertpipe.training.models.modernbert.model import ModernBertForMaskedLM, ModernBertModelConfig
 
 transformers = pytest.importorskip("transformers")
 

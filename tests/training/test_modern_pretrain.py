@@ -13,8 +13,8 @@ import torch
 
 from bertpipe.config import ConfigError, load_config
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.config import PretrainConfig
-from bertpipe.training.trainer import run_pretraining
+from bertpipe.training.pretrain.config import PretrainConfig
+from bertpipe.training.pretrain.trainer import run_pretraining
 from tests.conftest import sqlite_uri
 
 pytestmark = pytest.mark.integration

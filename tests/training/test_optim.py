@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from bertpipe.config import ConfigError, load_config
-from bertpipe.training.config import OptimizerConfig, PhaseSpec, PretrainConfig
-from bertpipe.training.engine import ds_config
-from bertpipe.training.optim import Lamb, build_optimizer, param_groups
-from bertpipe.training.schedules import lr_lambda
+from bertpipe.training.core.engine import ds_config
+from bertpipe.training.core.optim import Lamb, build_optimizer, param_groups
+from bertpipe.training.core.schedules import lr_lambda
+from bertpipe.training.pretrain.config import OptimizerConfig, PhaseSpec, PretrainConfig
 
 
 class Tiny(nn.Module):
@@ -354,7 +354,7 @@ def test_lamb_under_deepspeed_stage0_keeps_per_layer_ratios(precision: str) -> N
     _skip_unless_deepspeed_supports(precision)
     import deepspeed
 
-    from bertpipe.training.engine import init_distributed
+    from bertpipe.training.core.engine import init_distributed
 
     init_distributed()
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """A lost rank ends the job with exit 75 within ``distributed.peer_timeout_s`` instead of a
-hang until the process group's timeout (:mod:`bertpipe.training.peers`): the heartbeat on a
+hang until the process group's timeout (:mod:`bertpipe.training.core.peers`): the heartbeat on a
 real TCPStore. A node lost across two test hosts, with the relaunch: tests/multihost/
 test_lost_node.py."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime
 import time
 
-from bertpipe.training.peers import PeerMonitor
+from bertpipe.training.core.peers import PeerMonitor
 from tests.conftest import free_port
 
 

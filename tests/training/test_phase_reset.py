@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from bertpipe.config import load_config
-from bertpipe.training.config import OptimizerConfig, PretrainConfig
-from bertpipe.training.optim import (
+from bertpipe.training.core.optim import (
     Lamb,
     build_optimizer,
     client_optimizer,
@@ -24,6 +23,7 @@ from bertpipe.training.optim import (
     reset_step_counters,
     zero_partitions,
 )
+from bertpipe.training.pretrain.config import OptimizerConfig, PretrainConfig
 
 BETAS = (0.9, 0.999)
 EPS = 1e-6
@@ -214,7 +214,7 @@ def test_zero1_phase_two_restarts_bias_correction_on_phase_one_moments(
     checkpoint with its optimizer state (as the trainer does for ``optimizer_state: keep``),
     resets the counters through DeepSpeed's ZeRO optimizer, and its first update is step 1's
     on the kept moments of the flat fp32 partition."""
-    from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
 
     init_distributed()
     cfg = _config(kind, stage=1)
@@ -290,7 +290,7 @@ def test_zero1_phase_two_restarts_bias_correction_on_phase_one_moments(
 def test_reset_reaches_lamb_inside_the_stage0_bf16_wrapper() -> None:
     """ZeRO 0 with bf16: DeepSpeed wraps the client LAMB in its unfused mixed-precision
     optimizer, which holds it in ``.optimizer``."""
-    from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
 
     init_distributed()
     cfg = _config("lamb", stage=0, precision="bf16")

@@ -15,22 +15,22 @@ import bertpipe.app.cli
 from bertpipe.config import ConfigError, from_dict
 from bertpipe.errors import BertpipeError
 from bertpipe.formatting import format_hmm
-from bertpipe.training.config import PretrainConfig
-from bertpipe.training.data import partition_blocks
-from bertpipe.training.flops import peak_flops, training_flops_per_sequence
-from bertpipe.training.model import BertLayer, BertModelConfig
-from bertpipe.training.plan import make_plan
-from bertpipe.training.plan_data import data_plan, read_manifest
-from bertpipe.training.plan_memory import (
+from bertpipe.training.models.bert.model import BertLayer, BertModelConfig
+from bertpipe.training.models.flops import peak_flops, training_flops_per_sequence
+from bertpipe.training.plan.data import data_plan, read_manifest
+from bertpipe.training.plan.memory import (
     GIB,
     activation_bytes,
     buffer_bytes,
     estimate_memory,
     model_state_bytes,
 )
-from bertpipe.training.plan_options import PlanOptions
-from bertpipe.training.plan_time import comm_bytes_per_step, comm_passes_per_step, step_time
-from bertpipe.training.plan_world import resolve_world
+from bertpipe.training.plan.options import PlanOptions
+from bertpipe.training.plan.plan import make_plan
+from bertpipe.training.plan.time import comm_bytes_per_step, comm_passes_per_step, step_time
+from bertpipe.training.plan.world import resolve_world
+from bertpipe.training.pretrain.config import PretrainConfig
+from bertpipe.training.pretrain.data.loader import partition_blocks
 
 
 def tiny_model(**overrides: Any) -> BertModelConfig:
@@ -352,7 +352,7 @@ def test_sequence_lengths_from_option_and_position_limit() -> None:
 @pytest.fixture
 def plan_cli(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only the plan command in the parser, and no launcher environment."""
-    assert bertpipe.app.cli.COMMANDS["plan"] == "bertpipe.training.cli_plan:add_plan_command"
+    assert bertpipe.app.cli.COMMANDS["plan"] == "bertpipe.training.plan.cli:add_plan_command"
     monkeypatch.setattr(bertpipe.app.cli, "COMMANDS", {"plan": bertpipe.app.cli.COMMANDS["plan"]})
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)

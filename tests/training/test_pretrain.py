@@ -15,8 +15,8 @@ import torch
 
 from bertpipe.config import load_config, to_yaml
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.config import PretrainConfig
-from bertpipe.training.trainer import run_pretraining
+from bertpipe.training.pretrain.config import PretrainConfig
+from bertpipe.training.pretrain.trainer import run_pretraining
 from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 from tests.faultenv import FAULT_IN_SAVE, child_pythonpath

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from bertpipe.config import load_config
-from bertpipe.training.config import PretrainConfig
-from bertpipe.training.trainer import run_pretraining
+from bertpipe.training.pretrain.config import PretrainConfig
+from bertpipe.training.pretrain.trainer import run_pretraining
 from tests.conftest import sqlite_uri
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

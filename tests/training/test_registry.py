@@ -71,8 +71,8 @@ print(json.dumps({"bertpipe": bertpipe_importable, "events": events, "classes": 
 
 def _pretrain(shards: Path, out: Path, uri: str) -> Path:
     """Two steps of a tiny BERT (one phase, ZeRO 0), tracked at ``uri``; the checkpoints."""
-    from bertpipe.training.config import PretrainConfig
-    from bertpipe.training.trainer import run_pretraining
+    from bertpipe.training.pretrain.config import PretrainConfig
+    from bertpipe.training.pretrain.trainer import run_pretraining
 
     cfg = load_config(
         PretrainConfig,
@@ -280,7 +280,7 @@ def test_export_and_finetune_log_and_register_models_that_load_without_bertpipe(
 
     # a question-answering head: its task where transformers has one, the QA class either way
     from bertpipe.finetuning.heads import BertForQuestionAnswering
-    from bertpipe.training.hf import save_hf_folder
+    from bertpipe.training.models.bert.hf import save_hf_folder
 
     qa_folder = tmp_path / "qa"
     extra = {n: (export / n).read_bytes() for n in ("vocab.txt", "tokenizer.json")}

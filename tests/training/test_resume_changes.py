@@ -24,8 +24,8 @@ from bertpipe import tracking
 from bertpipe.config import ConfigError
 from bertpipe.lease import LEASE_NAME
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.faults import Faults
-from bertpipe.training.trainer import run_pretraining
+from bertpipe.training.core.faults import Faults
+from bertpipe.training.pretrain.trainer import run_pretraining
 from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 from tests.faultenv import FAULT_SIGNAL
@@ -122,9 +122,9 @@ def _dotted(values: dict[str, Any]) -> dict[str, Any]:
 def _continue_by_hand(cfg: Any, folder: Path, *, lr: float, weight_decay: float) -> list[float]:
     """Steps 5-8 from ``global_step4``: engine, RNG and data position restored, then the new
     peak rate and weight decay written into the optimizer and schedule directly."""
-    from bertpipe.training.engine import build_engine, init_distributed
-    from bertpipe.training.step import BatchPrep, OptimizerStep
-    from bertpipe.training.trainer import Trainer
+    from bertpipe.training.core.engine import build_engine, init_distributed
+    from bertpipe.training.core.step import BatchPrep, OptimizerStep
+    from bertpipe.training.pretrain.trainer import Trainer
 
     trainer = Trainer(cfg, init_distributed())
     engine, _ = build_engine(trainer.new_model(), trainer.engine_spec(0))

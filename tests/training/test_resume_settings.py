@@ -1,4 +1,4 @@
-"""Which settings a resume may change (pure functions of :mod:`bertpipe.training.resume`)."""
+"""Which settings a resume may change (pure functions of :mod:`bertpipe.training.core.resume`)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import re
 import pytest
 
 from bertpipe.config import ConfigError, load_config, to_dict
-from bertpipe.training.config import PretrainConfig
-from bertpipe.training.resume import (
+from bertpipe.training.core.resume import (
     PRETRAIN_FIXED,
     changed_settings,
     check_changes,
     mlflow_tags,
     with_model_shape,
 )
+from bertpipe.training.pretrain.config import PretrainConfig
 
 PHASES = "phases=[{name: p1, max_steps: 10}, {name: p2, max_steps: 4}]"
 

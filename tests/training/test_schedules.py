@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from bertpipe.config import ConfigError, from_dict, load_config
-from bertpipe.training.config import PhaseSpec, PretrainConfig
-from bertpipe.training.optim import param_groups
-from bertpipe.training.schedules import lr_lambda, warmup_stable_decay
+from bertpipe.training.core.optim import param_groups
+from bertpipe.training.core.schedules import lr_lambda, warmup_stable_decay
+from bertpipe.training.pretrain.config import PhaseSpec, PretrainConfig
 
 # --------------------------------------------------------------------------- the curve
 
@@ -167,8 +167,8 @@ def test_batch_grows_linearly_in_whole_micro_batches_per_rank() -> None:
 
 def test_plan_takes_the_new_options() -> None:
     """``bertpipe plan`` plans the full batch (its memory and step time) and the wsd phase."""
-    from bertpipe.training.plan import make_plan
-    from bertpipe.training.plan_options import PlanOptions
+    from bertpipe.training.plan.options import PlanOptions
+    from bertpipe.training.plan.plan import make_plan
 
     cfg = from_dict(
         PretrainConfig,
@@ -216,8 +216,8 @@ def test_steps_of_a_growing_batch_equal_plain_torch(stage: int) -> None:
     accumulation, would step after the wrong micro-batch once the count changed.)"""
     import copy
 
-    from bertpipe.training.engine import EngineSpec, build_engine, init_distributed
-    from bertpipe.training.step import OptimizerStep
+    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.step import OptimizerStep
 
     init_distributed()
     cfg = load_config(
@@ -315,7 +315,7 @@ def test_wsd_and_batch_warmup_resume_mid_warmup_exactly(
     import mlflow
 
     from bertpipe.training import checkpoint as ckpt
-    from bertpipe.training.trainer import run_pretraining
+    from bertpipe.training.pretrain.trainer import run_pretraining
     from tests.conftest import sqlite_uri
 
     uri = sqlite_uri(tmp_path / "mlflow.db")

@@ -19,7 +19,7 @@ import pytest
 from bertpipe import tracking
 from bertpipe.tracking import client as tracking_client
 from bertpipe.training import checkpoint as ckpt
-from bertpipe.training.trainer import run_pretraining
+from bertpipe.training.pretrain.trainer import run_pretraining
 from tests.cli_runner import run_cli
 from tests.conftest import MlflowServer, free_port, parity_task
 from tests.finetuning.conftest import pretrained  # noqa: F401 (a fixture)

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from bertpipe.training.attention import Varlen, nested_attention, per_sequence_attention
-from bertpipe.training.bench_model import make_batch
-from bertpipe.training.collate import unpad_batch
-from bertpipe.training.flops import training_flops, training_flops_per_sequence
-from bertpipe.training.model import BertForPreTraining, BertModelConfig, compile_layers
-from bertpipe.training.step import BatchPrep
+from bertpipe.app.bench.model import make_batch
+from bertpipe.training.core.step import BatchPrep
+from bertpipe.training.models.attention import Varlen, nested_attention, per_sequence_attention
+from bertpipe.training.models.bert.model import BertForPreTraining, BertModelConfig, compile_layers
+from bertpipe.training.models.flops import training_flops, training_flops_per_sequence
+from bertpipe.training.pretrain.data.collate import unpad_batch
 
 VOCAB = 300
 

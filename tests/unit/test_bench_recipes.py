@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bertpipe.app.bench_recipes import MIN_DOCUMENTS, log_every, step_seconds
+from bertpipe.app.bench.recipes import MIN_DOCUMENTS, log_every, step_seconds
 from tests.cli_runner import run_cli
 
 
@@ -36,7 +36,7 @@ def test_too_few_documents_or_steps_fail_in_one_line_before_any_work(tmp_path: P
 @pytest.mark.parametrize("steps", [*range(2, 41), 99, 100, 1600])
 def test_every_run_of_two_steps_or_more_logs_twice_and_gets_a_step_time(steps: int) -> None:
     """The trainer logs the loss every ``log_every_steps`` and at the last step
-    (``training/cadence.py``): ``--steps 10`` with the fixed 10 logged once, timed 0 s per
+    (``training/core/cadence.py``): ``--steps 10`` with the fixed 10 logged once, timed 0 s per
     step, and the bench ended in a ZeroDivisionError."""
     every = log_every(steps)
     logged = [s for s in range(1, steps + 1) if s % every == 0 or s == steps]

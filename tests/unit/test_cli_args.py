@@ -13,8 +13,8 @@ from bertpipe.app.compare.cli import COMPARE_FLAGS
 from bertpipe.app.compare.query import CompareQuery
 from bertpipe.cli_args import Flag, add_dataclass_arguments, dataclass_from_args
 from bertpipe.errors import BertpipeError
-from bertpipe.training.cli_plan import PLAN_FLAGS
-from bertpipe.training.plan_options import PlanOptions
+from bertpipe.training.plan.cli import PLAN_FLAGS
+from bertpipe.training.plan.options import PlanOptions
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ from bertpipe.config_help import config_sections, load_class
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.evaluation.config import EvaluateConfig
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
-from bertpipe.training.config import PretrainConfig
+from bertpipe.training.pretrain.config import PretrainConfig
 
 # stage command -> the config its handler loads (checked against each parser's help action)
 STAGES: dict[tuple[str, ...], type] = {

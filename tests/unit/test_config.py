@@ -89,7 +89,7 @@ def test_field_docs_are_read_from_the_class() -> None:
 def test_shipped_stage_configs_validate() -> None:
     """Every YAML recipe shipped under configs/ parses into its stage's config."""
     from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
 
     root = Path(__file__).resolve().parents[2] / "configs"
     classes = {
@@ -118,7 +118,7 @@ def test_list_items_are_addressed_by_index(tmp_path: Path) -> None:
         load_config(Outer, None, ["items=[{size: 1}]", "items[3].size=2"])
     assert info.value.key == "items[3]" or "has no item 3" in str(info.value)
     # a list the file leaves unset comes from the dataclass defaults
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
 
     pre = load_config(
         PretrainConfig, None, ["phases[0].max_steps=7", "phases[0].data=s3://b/seq128"]

@@ -7,8 +7,8 @@ import pytest
 
 from bertpipe.app.cli import main
 from bertpipe.config import ConfigError
-from bertpipe.training import hardware
-from bertpipe.training.hardware import Hardware, check_hardware, gpu_by_name
+from bertpipe.training.core import hardware
+from bertpipe.training.core.hardware import Hardware, check_hardware, gpu_by_name
 
 CPU_NO_FP16 = Hardware("CPU Test", "cpu", fp16=False, bf16=True, why_not="no AVX-512 FP16")
 V100 = Hardware("Tesla V100", "cuda", fp16=True, bf16=False, why_not="compute capability 7.0")
@@ -70,7 +70,7 @@ def test_pretrain_refuses_fp16_before_the_process_group(monkeypatch, capsys, tmp
     """On a CPU without fp16 (simulated where the CPU has it) ``pretrain`` ends in one line
     naming the key, before any process group, DeepSpeed engine or output exists."""
     _simulate_cpu_without_fp16(monkeypatch)
-    monkeypatch.setattr("bertpipe.training.trainer.init_distributed", _not_reached)
+    monkeypatch.setattr("bertpipe.training.pretrain.trainer.init_distributed", _not_reached)
     out = tmp_path / "run"
     code = main(["pretrain", "--config", "demo", f"output={out}", "precision=fp16"])
     err = capsys.readouterr().err.strip().splitlines()

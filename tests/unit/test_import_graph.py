@@ -8,7 +8,7 @@
 * Nothing outside the application layer imports it.
 * Stages import forwards only (docs: DESIGN "Imports follow the same direction"): preprocessing
   imports no other stage, training does not import finetuning.
-* No module imports another component's private name (``from bertpipe.training.trainer import
+* No module imports another component's private name (``from bertpipe.training.pretrain.trainer import
   _Faults`` in finetuning), nor reads one off an imported module (``trainer._Faults``).
 """
 
@@ -210,7 +210,7 @@ def test_the_checker_sees_nested_relative_and_dynamic_imports() -> None:
         import os
         from typing import TYPE_CHECKING
         if TYPE_CHECKING:
-            from bertpipe.training.config import PretrainConfig
+            from bertpipe.training.pretrain.config import PretrainConfig
         def f():
             from bertpipe.preprocessing import shard_format
             import importlib
@@ -222,7 +222,7 @@ def test_the_checker_sees_nested_relative_and_dynamic_imports() -> None:
         """
     )
     found = {(i.module, i.name) for i in imports_of(source, "bertpipe.tracking")}
-    assert ("bertpipe.training.config", "PretrainConfig") in found
+    assert ("bertpipe.training.pretrain.config", "PretrainConfig") in found
     assert ("bertpipe.preprocessing", "shard_format") in found
     assert ("bertpipe.finetuning.loop", None) in found
     assert ("bertpipe.app", "cli") in found
@@ -239,7 +239,7 @@ def test_the_graph_covers_core_stages_and_app() -> None:
         "bertpipe.tracking.lifecycle",
         "bertpipe.app.cli",
         "bertpipe.app.compare.query",
-        "bertpipe.training.trainer",
+        "bertpipe.training.pretrain.trainer",
         "bertpipe.finetuning.run",
         "bertpipe.preprocessing.pipeline",
     ):
@@ -249,8 +249,8 @@ def test_the_graph_covers_core_stages_and_app() -> None:
 def test_private_check_sees_cross_component_private_imports() -> None:
     source = textwrap.dedent(
         """
-        from bertpipe.training.trainer import _Faults, run_pretraining
-        from bertpipe.training import trainer
+        from bertpipe.training.pretrain.trainer import _Faults, run_pretraining
+        from bertpipe.training.pretrain import trainer
         from bertpipe.finetuning.tasks.base import _own_helper
         def f():
             return trainer._poisoned
@@ -259,8 +259,8 @@ def test_private_check_sees_cross_component_private_imports() -> None:
     run = MODULES["bertpipe.finetuning.run"]
     found = list(private_uses(source, run, MODULES))
     assert len(found) == 2, found
-    assert "imports _Faults from bertpipe.training.trainer" in found[0]
-    assert "reads _poisoned of bertpipe.training.trainer" in found[1]
+    assert "imports _Faults from bertpipe.training.pretrain.trainer" in found[0]
+    assert "reads _poisoned of bertpipe.training.pretrain.trainer" in found[1]
 
 
 # --------------------------------------------------------------------------- the rules

@@ -382,7 +382,7 @@ def test_init_distributed_refuses_before_deepspeed(monkeypatch: pytest.MonkeyPat
     """The check runs before DeepSpeed or a process group are touched."""
     import sys
 
-    from bertpipe.training import engine
+    from bertpipe.training.core import engine
 
     for key in list(engine.os.environ):
         if key.startswith(("SLURM_", "OMPI_", "PMI", "MPI_LOCAL")) or key in (

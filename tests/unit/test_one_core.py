@@ -26,18 +26,18 @@ def _calls(pattern: str) -> list[str]:
 
 def test_one_deepspeed_initialize() -> None:
     calls = _calls(r"\bdeepspeed\.initialize\(")
-    assert len(calls) == 1 and calls[0].startswith("training/engine.py:"), calls
+    assert len(calls) == 1 and calls[0].startswith("training/core/engine.py:"), calls
 
 
 def test_one_loop_for_both_stages() -> None:
-    """One training loop (training/loop.py, issue 24) steps, guards, follows the cadence and
+    """One training loop (training/core/loop.py, issue 24) steps, guards, follows the cadence and
     saves for both stages; the stages build their engine and checkpoints from the core and
     hand them to it, and neither steps, saves or loads a checkpoint itself."""
-    loop = (ROOT / "training/loop.py").read_text()
+    loop = (ROOT / "training/core/loop.py").read_text()
     for name in ("OptimizerStep(", "guard.record(", "cadence.after_step(", "checkpoints.save("):
-        assert name in loop, f"training/loop.py does not use {name[:-1]}"
+        assert name in loop, f"training/core/loop.py does not use {name[:-1]}"
     assert "save_after_error(" in loop
-    for stage in ("training/trainer.py", "finetuning/run.py"):
+    for stage in ("training/pretrain/trainer.py", "finetuning/run.py"):
         source = (ROOT / stage).read_text()
         for name in ("build_engine(", "run_loop(", "CheckpointManager(", "SkipGuard(", "Cadence("):
             assert name in source, f"{stage} does not use {name[:-1]}"
@@ -53,10 +53,10 @@ def test_one_loop_for_both_stages() -> None:
             assert own not in source, f"{stage} does {own[:-1]} itself"
     steppers = [p for p in PRODUCT if "OptimizerStep(" in p.read_text()]
     assert {str(p.relative_to(ROOT)) for p in steppers} <= {
-        "training/step.py",
-        "training/loop.py",
-        "training/bench_train.py",  # benchmarks of the step itself
-        "training/bench_memory.py",
+        "training/core/step.py",
+        "training/core/loop.py",
+        "bertpipe/app/bench/train.py",  # benchmarks of the step itself
+        "bertpipe/app/bench/memory.py",
     }, steppers
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from bertpipe import fsio
 from bertpipe.config import load_config, to_yaml
 from bertpipe.tracking import config_params
-from bertpipe.training.config import PretrainConfig
+from bertpipe.training.pretrain.config import PretrainConfig
 
 SECRET = "hunter2-s3cr3t"
 

@@ -10,7 +10,7 @@ import pytest
 
 from bertpipe import tracking
 from bertpipe.config import load_config
-from bertpipe.training.config import PretrainConfig
+from bertpipe.training.pretrain.config import PretrainConfig
 from tests.conftest import sqlite_uri
 
 

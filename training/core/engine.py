@@ -1,0 +1,376 @@
+"""DeepSpeed: distributed set-up, the generated ds_config, and the one engine builder.
+
+Pre-training (one engine per phase) and fine-tuning (one per run) describe their engine as an
+:class:`EngineSpec`, made from the same config sections by :func:`engine_spec`, and build it
+with :func:`build_engine`, the only ``deepspeed.initialize`` in bertpipe. The DeepSpeed JSON
+is a function of the spec (:func:`deepspeed_config`), logged with every run; there are no
+hand-kept JSON files. The learning rate follows a ``LambdaLR`` schedule that DeepSpeed steps
+once per optimizer step and saves in its checkpoints; it is set in one place,
+:func:`bertpipe.training.core.schedules.schedule_learning_rate`, at build and at resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bertpipe.errors import BertpipeError
+from bertpipe.launch import detect_launch
+from bertpipe.training.core.optim import (
+    Lamb,
+    apply_settings,
+    attach_zero_partitions,
+    build_optimizer,
+)
+from bertpipe.training.core.schedules import lr_lambda, schedule_learning_rate
+from bertpipe.training.pretrain.config import (
+    CheckpointConfig,
+    OptimizerConfig,
+    PhaseSpec,
+    PretrainConfig,
+    ZeroConfig,
+)
+
+log = logging.getLogger(__name__)
+
+
+class UnsafeCheckpointError(BertpipeError):
+    """A checkpoint file holds pickled objects beyond tensors and plain data."""
+
+
+__all__ = [
+    "DistInfo",
+    "EngineSettings",
+    "EngineSpec",
+    "build_engine",
+    "deepspeed_config",
+    "ds_config",
+    "engine_spec",
+    "init_distributed",
+]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(timeout_minutes: int = 30) -> DistInfo:
+    """Join the job started by a launcher, or form a one-process job when run directly.
+
+    :func:`bertpipe.launch.detect_launch` reads the launcher's environment: RANK/WORLD_SIZE
+    (the ``deepspeed`` launcher, torchrun), MPI (``mpirun``: OpenMPI, MPICH, Intel MPI), SLURM
+    (``srun`` with one task per GPU), else this process is rank 0 of 1 on a free local port.
+    An environment showing several tasks but no rank for this one raises
+    :class:`~bertpipe.launch.LaunchError` before DeepSpeed is imported. NCCL on GPUs, gloo on
+    CPU.
+    """
+    if not dist.is_initialized():  # else already in the job (called again in one process)
+        launch = detect_launch(os.environ)
+        if launch.master_port is None:  # one process: any free port
+            launch = dataclasses.replace(launch, master_port=_free_port())
+        os.environ.update(launch.variables())
+        log.info("%s", launch.describe())
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=accelerator.communication_backend_name(),
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    if accelerator.device_name() == "cuda":
+        # srun --gpus-per-task=1 (or --gpu-bind) leaves each task one visible GPU: index 0
+        index = local_rank % max(1, torch.cuda.device_count())
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+    else:
+        device = torch.device(accelerator.device_name())
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def ds_config(cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config of ``phase`` on ``world_size`` processes."""
+    return EngineSpec.for_phase(cfg, phase, world_size).ds_config()
+
+
+def deepspeed_config(
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    world_size: int,
+    zero: ZeroConfig,
+    precision: str,
+    max_grad_norm: float,
+    loss_scale_power: int = 16,
+    universal: bool = False,
+    mixed_precision: str = "weights",
+) -> dict[str, Any]:
+    """A DeepSpeed JSON config (pre-training and fine-tuning share it)."""
+    accumulation = global_batch_size // (micro_batch_size * world_size)
+    zero_section: dict[str, Any] = {
+        "stage": zero.stage,
+        "overlap_comm": zero.overlap_comm,
+        "contiguous_gradients": zero.contiguous_gradients,
+        "reduce_bucket_size": zero.bucket_size,
+        "allgather_bucket_size": zero.bucket_size,
+    }
+    if zero.offload_optimizer == "cpu":
+        zero_section["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    config: dict[str, Any] = {
+        "train_batch_size": global_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+        # DeepSpeed's default is 1.0: always say what the config says
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": zero_section,
+        # torch's AdamW and bertpipe's LAMB are client optimizers; ZeRO needs to be told
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,  # bertpipe logs; DeepSpeed stays quiet
+        "wall_clock_breakdown": False,
+        "checkpoint": {"load_universal": universal},
+    }
+    if precision == "fp16":
+        config["fp16"] = {
+            "enabled": True,
+            "loss_scale": 0,  # dynamic
+            "initial_scale_power": loss_scale_power,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        }
+    elif precision == "bf16" and mixed_precision == "autocast":
+        # fp32 weights and optimizer; Linear layers run in bf16 under torch.autocast
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+class EngineSettings(Protocol):
+    """The config sections an engine is built from, the same in both stages' configs
+    (``PretrainConfig``, ``FinetuneConfig``)."""
+
+    @property
+    def optimizer(self) -> OptimizerConfig: ...
+    @property
+    def zero(self) -> ZeroConfig: ...
+    @property
+    def precision(self) -> str: ...
+    @property
+    def mixed_precision(self) -> str: ...
+    @property
+    def loss_scale_power(self) -> int: ...
+    @property
+    def checkpoint(self) -> CheckpointConfig: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything an engine is built from: the batch, ZeRO and precision (the DeepSpeed
+    config), the optimizer and its learning-rate schedule. Made by :func:`engine_spec`:
+    pre-training one per phase (:meth:`for_phase`), fine-tuning one per run."""
+
+    micro_batch_size: int
+    global_batch_size: int
+    world_size: int
+    zero: ZeroConfig
+    precision: str
+    optimizer: OptimizerConfig
+    learning_rate: float
+    """Peak learning rate: the schedule's multipliers are relative to it."""
+    schedule: Callable[[int], float]
+    """Multiplier of the peak after N optimizer steps (``LambdaLR``)."""
+    mixed_precision: str = "weights"
+    loss_scale_power: int = 16
+    universal: bool = False
+
+    @classmethod
+    def for_phase(cls, cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> EngineSpec:
+        """The engine of a pre-training phase on ``world_size`` processes."""
+        phase.accumulation(world_size)  # a clear config error for an indivisible batch
+        return engine_spec(
+            cfg,
+            micro_batch_size=phase.micro_batch_size,
+            global_batch_size=phase.global_batch_size,
+            world_size=world_size,
+            learning_rate=phase.learning_rate,
+            schedule=lr_lambda(phase, cfg),
+        )
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.world_size)
+
+    def ds_config(self) -> dict[str, Any]:
+        return deepspeed_config(
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            world_size=self.world_size,
+            zero=self.zero,
+            precision=self.precision,
+            max_grad_norm=self.optimizer.max_grad_norm,
+            loss_scale_power=self.loss_scale_power,
+            universal=self.universal,
+            mixed_precision=self.mixed_precision,
+        )
+
+    def apply_to(self, engine: Any) -> None:
+        """Write this spec's optimizer hyperparameters, peak rate and schedule into ``engine``
+        over the ones a checkpoint restored (:func:`bertpipe.training.core.optim.apply_settings`)."""
+        engine.lr_scheduler = apply_settings(
+            engine.lr_scheduler, self.optimizer, self.learning_rate, self.schedule
+        )
+
+
+def engine_spec(
+    settings: EngineSettings,
+    *,
+    micro_batch_size: int,
+    global_batch_size: int,
+    world_size: int,
+    learning_rate: float,
+    schedule: Callable[[int], float],
+) -> EngineSpec:
+    """A stage's engine: its config's engine sections (``settings``) with the batch and the
+    learning-rate schedule of the phase or run. The one way both stages make an
+    :class:`EngineSpec`."""
+    return EngineSpec(
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        world_size=world_size,
+        zero=settings.zero,
+        precision=settings.precision,
+        optimizer=settings.optimizer,
+        learning_rate=learning_rate,
+        schedule=schedule,
+        mixed_precision=settings.mixed_precision,
+        loss_scale_power=settings.loss_scale_power,
+        universal=settings.checkpoint.universal,
+    )
+
+
+def build_engine(model: nn.Module, spec: EngineSpec) -> tuple[Any, dict[str, Any]]:
+    """Wrap ``model`` in a DeepSpeed engine; returns (engine, ds_config).
+
+    The one place where bertpipe calls ``deepspeed.initialize``: pre-training, fine-tuning,
+    ``bertpipe bench train`` and the tests build their engines here, so each gets the same
+    optimizer set-up, learning-rate schedule (:func:`~bertpipe.training.core.optim.
+    schedule_learning_rate`), LAMB's whole-tensor trust ratios under ZeRO and weights-only
+    checkpoint loading (the non-finite guard is the step's:
+    :class:`bertpipe.training.core.step.OptimizerStep`).
+    """
+    import deepspeed
+
+    config = spec.ds_config()
+    optimizer = build_optimizer(
+        model, spec.optimizer, spec.learning_rate, offload=spec.zero.offload_optimizer == "cpu"
+    )
+    scheduler = schedule_learning_rate(optimizer, spec.learning_rate, spec.schedule)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config
+    )
+    if isinstance(optimizer, Lamb):
+        _whole_tensor_trust_ratios(engine, optimizer, model, spec.zero.stage)
+    weights_only_checkpoints(engine)
+    return engine, config
+
+
+# What DeepSpeed's own checkpoints hold besides tensors and plain data (found by loading
+# every ZeRO 0/1/2 x fp32/bf16 x AdamW/LAMB checkpoint with weights_only=True); fp16 adds
+# the dynamic loss scaler.
+_CHECKPOINT_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def _checkpoint_globals() -> list[Any]:
+    import importlib
+
+    found = []
+    for name in _CHECKPOINT_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            found.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):  # another DeepSpeed version: not allowed then
+            continue
+    return found
+
+
+def weights_only_checkpoints(engine: Any) -> None:
+    """Make DeepSpeed load this engine's checkpoints with ``torch.load(weights_only=True)``.
+
+    DeepSpeed 0.19's ``TorchCheckpointEngine.load`` unpickles with ``weights_only=False``:
+    whoever can write a checkpoint folder on shared storage would run code on every rank at
+    resume. Its ``load_checkpoint`` takes no loading arguments, so the engine's ``load`` is
+    replaced: tensors, plain data and the few DeepSpeed classes above, nothing else; any
+    other object in a checkpoint file is refused with the file's name.
+    """
+    checkpoint_engine = getattr(engine, "checkpoint_engine", None)
+    if type(checkpoint_engine).__name__ != "TorchCheckpointEngine":
+        return  # another engine (Nebula, decoupled): its own loading, left as it is
+    import pickle
+
+    allowed = _checkpoint_globals()
+
+    def load(path: str, map_location: Any = None) -> Any:
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise UnsafeCheckpointError(
+                f"{path}: holds objects a checkpoint must not ({first[:200]}); refusing to "
+                "unpickle it. Checkpoints hold tensors and plain data only: was this folder "
+                "written by someone else?"
+            ) from None
+
+    checkpoint_engine.load = load
+
+
+def _whole_tensor_trust_ratios(engine: Any, lamb: Lamb, model: nn.Module, stage: int) -> None:
+    """LAMB's ratios must be per tensor: at stages 1-2 tell it where the tensors lie in the
+    ZeRO partitions; at stage 0 make sure DeepSpeed handed it whole tensors (its mixed-
+    precision wrappers of some versions flatten them, which would silently make the ratio
+    one per flat buffer)."""
+    if stage in (1, 2):
+        attach_zero_partitions(lamb, engine.optimizer)
+        return
+    held = sorted(tuple(p.shape) for g in lamb.param_groups for p in g["params"])
+    model_shapes = sorted(tuple(p.shape) for p in model.parameters() if p.requires_grad)
+    if held != model_shapes:
+        raise RuntimeError(
+            "DeepSpeed handed LAMB flattened tensors at ZeRO stage 0, so trust ratios would "
+            "not be per tensor: upgrade deepspeed (tested: the version in constraints.txt)"
+        )
