@@ -20,7 +20,7 @@ Two splitters, chosen by the corpus's language (``input.language``, or per docum
   the word before every terminator runs to the last space), so a paragraph is given to it in
   pieces that hold at most :data:`RISKY_PER_PIECE` such characters, cut where a sentence
   ends; overlong runs of them (9 or more in a row) never reach it. That keeps it linear:
-  1 MB of any of them takes well under a second. Section numbers that it cuts off as
+  1 MB of any of them takes about a second, not hours. Section numbers that it cuts off as
   sentences of their own (``2.4.``, ``그림 14.151.``) are joined to the sentence they number.
 
 Either way, blank lines always end a sentence, and a single line break inside a paragraph

@@ -1,8 +1,8 @@
 """``bertpipe evaluate``: what a pre-trained model is worth, measured the BERT paper's way.
 
-A **suite** (GLUE, SQuAD, CoNLL-2003, or a user's YAML naming task folders) is fine-tuned
-under a **protocol** (per task the learning-rate grid 5e-5, 4e-5, 3e-5, 2e-5, batch 32, 3
-epochs; N seeds, default 3): every (task, learning rate, seed) is one **trial**, a complete
+A **suite** (GLUE, SQuAD, CoNLL-2003, KLUE, or a user's YAML naming task folders) is
+fine-tuned under a **protocol** (per task the learning-rate grid 5e-5, 4e-5, 3e-5, 2e-5, batch
+32, 3 epochs; N seeds, default 3): every (task, learning rate, seed) is one **trial**, a complete
 ``bertpipe finetune`` run with its own folder and MLflow child run. Per task the learning rate
 with the best mean dev score over the seeds is chosen; the task's result is that setting's
 mean and standard deviation over the seeds; the suite's average is GLUE's (a task with two
@@ -28,7 +28,7 @@ Split by concern:
 What the suite's MLflow run holds (``bertpipe runs compare --suites`` reads it):
 
 * tags: ``bertpipe.stage`` = ``evaluate``; ``bertpipe.suite`` (``glue``, ``squad``,
-  ``conll`` or the YAML's name); ``bertpipe.model`` (the model as given);
+  ``conll``, ``klue`` or the YAML's name); ``bertpipe.model`` (the model as given);
   ``bertpipe.model_name`` (a short label for tables: ``model_name``, else the model's folder
   name with `` (random init)`` added for random weights); ``bertpipe.suite_tasks`` (the
   tasks, comma-separated, in suite order); ``bertpipe.parent_run_id`` (the pre-training run)

@@ -15,11 +15,12 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     parser = add_stage_command(
         sub,
         "evaluate",
-        help="a model's downstream scores on a suite (GLUE, SQuAD, CoNLL): the paper's protocol",
+        help="a model's downstream scores on a suite (GLUE, SQuAD, CoNLL, KLUE): the paper's "
+        "protocol",
         description=(
             "Fine-tunes a model (an export folder, a pre-training checkpoint or one of its "
             "global_stepN, or models:/NAME/VERSION) on every task of a suite (glue, squad, "
-            "conll, or a suite YAML) with the BERT paper's protocol: per task the learning "
+            "conll, klue, or a suite YAML) with the BERT paper's protocol: per task the learning "
             "rates 5e-5/4e-5/3e-5/2e-5, batch 32, 3 epochs, N seeds (protocol.seeds, 3); the "
             "learning rate with the best mean dev score is chosen and its mean and standard "
             "deviation over seeds reported, with the GLUE-style average. One MLflow run per "
@@ -33,6 +34,7 @@ def add_evaluate_command(sub: argparse._SubParsersAction) -> None:
             "bertpipe evaluate model=runs/bert-base/hf suite=glue data=glue_data",
             "bertpipe evaluate model=runs/bert-base/checkpoints/global_step20000 suite=squad "
             "data=squad 'protocol.learning_rates=[5e-5,3e-5]'",
+            "bertpipe evaluate model=runs/bert-ko/hf suite=klue data=KLUE/klue_benchmark",
             "bertpipe evaluate --watch runs/bert-base/checkpoints suite=my-suite.yaml "
             "watch.every=5 'protocol.seeds=[1]' 'protocol.learning_rates=[5e-5]'",
         ],

@@ -87,13 +87,16 @@ class EvaluateConfig:
     (``.../checkpoints/global_step1000``), or a model in MLflow's registry
     (``models:/NAME/VERSION``); local or object storage."""
     suite: str = "glue"
-    """``glue``, ``squad``, ``conll``, or a YAML file naming the tasks (docs/evaluation.md)."""
+    """``glue``, ``squad``, ``conll``, ``klue``, or a YAML file naming the tasks
+    (docs/evaluation.md)."""
     data: str = ""
     """The suite's data: for ``glue`` the folder of the task folders as GLUE's download lays
     them out (CoLA/, SST-2/, MRPC/, STS-B/, QQP/, MNLI/, QNLI/, RTE/; WNLI is left out as the
     paper does); for ``squad`` a folder with train-v1.1.json and dev-v1.1.json (or v2.0);
     for ``conll`` a folder with train.txt and dev.txt (CoNLL-2003's eng.train/eng.testa also
-    found); for a YAML suite, the folder its relative paths start from (default: the YAML's)."""
+    found); for ``klue`` KLUE's ``klue_benchmark`` folder (ynat-v1.1/, klue-sts-v1.1/,
+    klue-nli-v1.1/, klue-ner-v1.1/, klue-mrc-v1.1/ as its release lays them out); for a YAML
+    suite, the folder its relative paths start from (default: the YAML's)."""
     tasks: list[str] = field(default_factory=list)
     """Only these tasks of the suite (names as the suite gives them); empty: every task whose
     files are present."""
@@ -112,9 +115,11 @@ class EvaluateConfig:
     (``{precision: bf16, eval_batch_size: 128, random_init: true}``); the protocol's own
     (learning rate, batch, epochs, seed, warmup, task) cannot be set here."""
     bad_rows: Literal["fail", "skip"] = "fail"
-    """A row of a task file that cannot be read (wrong column count, unknown label, a dev
-    label that training lacks): ``fail`` stops before any trial with one line naming the
-    file and line; ``skip`` drops such rows (counted in the trials' read reports)."""
+    """A row of a task file that cannot be read (wrong column count, unknown label):
+    ``fail`` stops before any trial with one line naming the file and line; ``skip`` drops
+    such rows (counted in the trials' read reports). A dev label (or entity type) that the
+    training file lacks stops the suite either way: a model never predicts a class it was
+    not trained on."""
     parallel: int | None = None
     """Trials run at the same time, each in a process of its own. Null: one per GPU; on CPU
     one per 4 cores (at least 1). 1 runs the trials in this process."""
@@ -145,8 +150,8 @@ class EvaluateConfig:
         if not self.model:
             raise ConfigError("model", "give an export folder, a checkpoint or models:/NAME/N")
         if not self.suite:
-            raise ConfigError("suite", "give glue, squad, conll or a suite YAML file")
-        if self.suite in ("glue", "squad", "conll") and not self.data:
+            raise ConfigError("suite", "give glue, squad, conll, klue or a suite YAML file")
+        if self.suite in ("glue", "squad", "conll", "klue") and not self.data:
             raise ConfigError("data", f"give the folder of the {self.suite} data")
 
 

@@ -45,7 +45,7 @@ from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.evaluation.config import EvaluateConfig, safe_name
 from bertpipe.finetuning.evaluation.model_source import ModelSource, resolve_model
 from bertpipe.finetuning.evaluation.scores import SuiteScores, TrialResult, summarise, trial_key
-from bertpipe.finetuning.evaluation.suite import SEQ_LENGTH, Suite, SuiteTask, check_suite
+from bertpipe.finetuning.evaluation.suite import Suite, SuiteTask, check_suite, seq_length
 from bertpipe.finetuning.evaluation.suite import load_suite as _load_suite
 from bertpipe.lease import held
 
@@ -175,7 +175,7 @@ def trial_config(
     for key, value in cfg.finetune.items():
         _set(data, key.split("."), value)
     task = dict(trial.task.task)
-    task.setdefault("max_seq_length", protocol.max_seq_length or SEQ_LENGTH[trial.task.family])
+    task.setdefault("max_seq_length", protocol.max_seq_length or seq_length(trial.task))
     tracking_cfg = to_dict(cfg.tracking)
     tracking_cfg["run_name"] = trial.key
     tracking_cfg["tags"] = {**cfg.tracking.tags, TAG_TRIAL: trial.key}

@@ -182,6 +182,35 @@ def test_squad_answers_in_other_languages_follow_mlqa() -> None:
 # --------------------------------------------------------------------------- the suite
 
 
+def test_suite_finds_the_release_folders(data: Path, tmp_path: Path) -> None:
+    """The task folders present, in KLUE's order, v1.1 or else v1; MRC gets SQuAD's 384
+    tokens by default; a task folder without its dev file, or a folder with no KLUE task,
+    is one line."""
+    from bertpipe.config import ConfigError
+    from bertpipe.finetuning.evaluation.suite import load_suite, seq_length
+    from bertpipe.finetuning.tasks.base import TaskDataError
+
+    suite = load_suite("klue", str(data))
+    assert [t.name for t in suite.tasks] == TASKS
+    assert [seq_length(t) for t in suite.tasks] == [128, 128, 128, 128, 384]
+    ner = suite.tasks[3].task
+    assert ner["train"].endswith("klue-ner-v1.1/klue-ner-v1.1_train.tsv")
+    old = data / "klue-nli-v1"  # the first release's names
+    old.mkdir()
+    for split in ("train", "dev"):
+        (data / "klue-nli-v1.1" / f"klue-nli-v1.1_{split}.json").rename(
+            old / f"klue-nli-v1_{split}.json"
+        )
+    (data / "klue-nli-v1.1").rmdir()
+    found = load_suite("klue", str(data), ["nli"]).tasks[0].task
+    assert found["dev"] == [str(old / "klue-nli-v1_dev.json")]
+    (data / "ynat-v1.1" / "ynat-v1.1_dev.json").unlink()
+    with pytest.raises(TaskDataError, match=r"ynat-v1\.1_dev\.json is missing"):
+        load_suite("klue", str(data))
+    with pytest.raises(ConfigError, match="holds no task of the klue suite"):
+        load_suite("klue", str(tmp_path))
+
+
 def test_suite_klue_runs_every_task(korean_bert: Path, data: Path, tmp_path: Path) -> None:
     import mlflow
 
