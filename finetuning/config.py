@@ -9,7 +9,7 @@ from typing import Literal
 
 from bertpipe.config import ConfigError
 from bertpipe.tracking import TrackingConfig
-from bertpipe.training.pretrain.config import (
+from bertpipe.training.core.config import (
     CheckpointConfig,
     DistributedConfig,
     OptimizerConfig,

@@ -23,7 +23,7 @@ from sklearn import metrics as skm
 
 from bertpipe.finetuning.tasks.base import TaskSpec
 from bertpipe.finetuning.tasks.conll import entity_scores
-from bertpipe.finetuning.tasks.squad import squad_metrics
+from bertpipe.finetuning.tasks.squad_scores import squad_metrics
 
 __all__ = [
     "accuracy",

@@ -44,12 +44,11 @@ from bertpipe.finetuning.tasks.squad import (
     check_squad_lengths,
     decode,
     featurize_squad,
-    gold_answers,
     read_squad,
-    squad_metrics,
     squad_spec,
     write_squad_predictions,
 )
+from bertpipe.finetuning.tasks.squad_scores import gold_answers, squad_metrics
 
 __all__ = [
     "GLUE_TASKS",

@@ -23,7 +23,8 @@ from bertpipe.finetuning.tasks.conll import (
     featurize_conll,
     read_conll,
 )
-from bertpipe.finetuning.tasks.squad import featurize_squad, gold_answers, read_squad
+from bertpipe.finetuning.tasks.squad import featurize_squad, read_squad
+from bertpipe.finetuning.tasks.squad_scores import gold_answers
 
 TRAIN = "Peter B-PER\nlives O\n\nJohn B-PER\nwon O\n"
 # sentence 2 holds a LOC entity: a type the training file never has

@@ -430,7 +430,7 @@ def test_suite_scores_are_fractions_squad_included() -> None:
     choice or average, so its table shows every task x100 alike."""
     from bertpipe.finetuning.evaluation.scores import TrialResult, summarise
     from bertpipe.finetuning.evaluation.suite import Suite, SuiteTask
-    from bertpipe.finetuning.tasks.squad import squad_metrics
+    from bertpipe.finetuning.tasks.squad_scores import squad_metrics
 
     logged = squad_metrics({"q1": "the cat", "q2": "a dog sat on"}, {"q1": ["cat"], "q2": ["dog"]})
     assert (logged["exact"], logged["f1"]) == (50.0, 75.0)  # percent, as the trials log it

@@ -168,7 +168,7 @@ def test_squad_answers_in_other_languages_follow_mlqa() -> None:
     """SQuAD's official normalisation stays for English; other languages get MLQA's: Unicode
     punctuation out, each CJK character a token (partial credit in Chinese and Japanese),
     Korean split at its spaces."""
-    from bertpipe.finetuning.tasks.squad import f1_score, normalize_answer, squad_metrics
+    from bertpipe.finetuning.tasks.squad_scores import f1_score, normalize_answer, squad_metrics
 
     assert normalize_answer("The Cat。") == "cat。"  # the official script, exactly
     assert normalize_answer("「東京都」。", "ja") == "東 京 都"

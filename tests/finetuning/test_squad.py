@@ -14,14 +14,16 @@ from bertpipe.finetuning.tasks.squad import (
     SquadExample,
     check_squad_lengths,
     decode,
+    featurize_squad,
+    read_squad,
+    write_squad_predictions,
+)
+from bertpipe.finetuning.tasks.squad_scores import (
     exact_match,
     f1_score,
-    featurize_squad,
     gold_answers,
     normalize_answer,
-    read_squad,
     squad_metrics,
-    write_squad_predictions,
 )
 
 CONTEXT = 'In 1999, New-York\'s Mayor said: "Hello!" The cat sat on the mat.'

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from bertpipe.config import load_config
-from bertpipe.training.core.engine import DistInfo, EngineSpec, build_engine, init_distributed
+from bertpipe.training.core.engine import DistInfo, build_engine, init_distributed
 from bertpipe.training.core.optim import client_optimizer, reset_step_counters, zero_partitions
 from bertpipe.training.pretrain.config import PretrainConfig
+from bertpipe.training.pretrain.phases import phase_engine
 
 GLOBAL_BATCH = 8
 
@@ -60,7 +61,7 @@ def train(
     )
     torch.manual_seed(0)
     model = Net()
-    engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[0], info.world_size))
+    engine, _ = build_engine(model, phase_engine(cfg, cfg.phases[0], info.world_size))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     data = torch.Generator().manual_seed(1)
     target = nn.Linear(13, 7)

@@ -13,12 +13,12 @@ from torch import nn
 
 from bertpipe.config import load_config
 from bertpipe.training.core.engine import (
-    EngineSpec,
     UnsafeCheckpointError,
     build_engine,
     init_distributed,
 )
 from bertpipe.training.pretrain.config import PretrainConfig
+from bertpipe.training.pretrain.phases import phase_engine
 
 pytestmark = pytest.mark.integration
 
@@ -47,7 +47,7 @@ def _engine(stage: int, precision: str):  # type: ignore[no-untyped-def]
     )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 2))
-    engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[0], 1))
+    engine, _ = build_engine(model, phase_engine(cfg, cfg.phases[0], 1))
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     loss = engine(torch.randn(2, 4).to(dtype)).float().square().mean()
     engine.backward(loss)

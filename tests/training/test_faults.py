@@ -63,12 +63,12 @@ def test_nonfinite_step_leaves_weights_optimizer_and_lr_untouched(
     """A real engine: one good step, then a step whose loss is NaN. At ZeRO 1/2 DeepSpeed skips
     it (fp32 too: its gradient-norm check); at ZeRO 0 the trainer's guard does. Either way the
     weights, the optimizer state and the LR are those of before, and ``skipped_steps`` is 1."""
-    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.engine import build_engine, init_distributed
     from bertpipe.training.core.step import BatchPrep
     from bertpipe.training.models.bert.model import BertForPreTraining
     from bertpipe.training.pretrain.data.loader import PretrainingData
     from bertpipe.training.pretrain.data.manifest import read_phase_data
-    from bertpipe.training.pretrain.phases import model_config
+    from bertpipe.training.pretrain.phases import model_config, phase_engine
 
     cfg = _cfg(pretrain_shards, tmp_path, f"sqlite:///{tmp_path / 'db'}", zero__stage=stage)
     phase = cfg.phases[0]
@@ -76,7 +76,7 @@ def test_nonfinite_step_leaves_weights_optimizer_and_lr_untouched(
     init_distributed()
     torch.manual_seed(0)
     model_cfg = model_config(cfg, [read_phase_data(phase, "phases[0]")])
-    engine, _ = build_engine(BertForPreTraining(model_cfg), EngineSpec.for_phase(cfg, phase, 1))
+    engine, _ = build_engine(BertForPreTraining(model_cfg), phase_engine(cfg, phase, 1))
     assert _skip_nonfinite_updates(engine) == (stage == 0)
     loader = PretrainingData(phase.data, "train", micro_batch_size=phase.micro_batch_size)
     batch, _ = BatchPrep(model_cfg, torch.device("cpu"), unpad=True)(next(iter(loader)))

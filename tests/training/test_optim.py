@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from bertpipe.config import ConfigError, load_config
-from bertpipe.training.core.engine import ds_config
+from bertpipe.training.core.config import OptimizerConfig
 from bertpipe.training.core.optim import Lamb, build_optimizer, param_groups
-from bertpipe.training.core.schedules import lr_lambda
-from bertpipe.training.pretrain.config import OptimizerConfig, PhaseSpec, PretrainConfig
+from bertpipe.training.pretrain.config import PhaseSpec, PretrainConfig
+from bertpipe.training.pretrain.phases import ds_config, lr_lambda
 
 
 class Tiny(nn.Module):

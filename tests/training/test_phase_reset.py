@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from bertpipe.config import load_config
+from bertpipe.training.core.config import OptimizerConfig
 from bertpipe.training.core.optim import (
     Lamb,
     build_optimizer,
@@ -23,7 +24,7 @@ from bertpipe.training.core.optim import (
     reset_step_counters,
     zero_partitions,
 )
-from bertpipe.training.pretrain.config import OptimizerConfig, PretrainConfig
+from bertpipe.training.pretrain.config import PretrainConfig
 
 BETAS = (0.9, 0.999)
 EPS = 1e-6
@@ -214,14 +215,15 @@ def test_zero1_phase_two_restarts_bias_correction_on_phase_one_moments(
     checkpoint with its optimizer state (as the trainer does for ``optimizer_state: keep``),
     resets the counters through DeepSpeed's ZeRO optimizer, and its first update is step 1's
     on the kept moments of the flat fp32 partition."""
-    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.engine import build_engine, init_distributed
+    from bertpipe.training.pretrain.phases import phase_engine
 
     init_distributed()
     cfg = _config(kind, stage=1)
     gen = torch.Generator().manual_seed(3)
     torch.manual_seed(0)
     first = Net()
-    engine1, _ = build_engine(first, EngineSpec.for_phase(cfg, cfg.phases[0], 1))
+    engine1, _ = build_engine(first, phase_engine(cfg, cfg.phases[0], 1))
     _train(engine1, 3, gen)
     engine1.save_checkpoint(str(tmp_path), tag="phase1")
     saved_moments = [
@@ -231,7 +233,7 @@ def test_zero1_phase_two_restarts_bias_correction_on_phase_one_moments(
 
     torch.manual_seed(1)  # other initial weights: the checkpoint's must replace them
     model = Net()
-    engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[1], 1))
+    engine, _ = build_engine(model, phase_engine(cfg, cfg.phases[1], 1))
     engine.load_checkpoint(
         str(tmp_path),
         tag="phase1",
@@ -290,12 +292,13 @@ def test_zero1_phase_two_restarts_bias_correction_on_phase_one_moments(
 def test_reset_reaches_lamb_inside_the_stage0_bf16_wrapper() -> None:
     """ZeRO 0 with bf16: DeepSpeed wraps the client LAMB in its unfused mixed-precision
     optimizer, which holds it in ``.optimizer``."""
-    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.engine import build_engine, init_distributed
+    from bertpipe.training.pretrain.phases import phase_engine
 
     init_distributed()
     cfg = _config("lamb", stage=0, precision="bf16")
     model = Net()
-    engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[0], 1))
+    engine, _ = build_engine(model, phase_engine(cfg, cfg.phases[0], 1))
     _train(engine, 2, torch.Generator().manual_seed(0), torch.bfloat16)
     inner = client_optimizer(engine.optimizer)
     assert isinstance(inner, Lamb) and engine.optimizer is not inner

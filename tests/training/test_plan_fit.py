@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from bertpipe.config import ConfigError, load_config
-from bertpipe.training.core.engine import ds_config
 from bertpipe.training.plan.fit import NothingFitsError, fit, fitted_config
 from bertpipe.training.plan.options import PlanOptions
 from bertpipe.training.pretrain.config import PretrainConfig
+from bertpipe.training.pretrain.phases import ds_config
 from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
 

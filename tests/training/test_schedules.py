@@ -21,8 +21,9 @@ from torch import nn
 
 from bertpipe.config import ConfigError, from_dict, load_config
 from bertpipe.training.core.optim import param_groups
-from bertpipe.training.core.schedules import lr_lambda, warmup_stable_decay
+from bertpipe.training.core.schedules import warmup_stable_decay
 from bertpipe.training.pretrain.config import PhaseSpec, PretrainConfig
+from bertpipe.training.pretrain.phases import lr_lambda
 
 # --------------------------------------------------------------------------- the curve
 
@@ -216,8 +217,9 @@ def test_steps_of_a_growing_batch_equal_plain_torch(stage: int) -> None:
     accumulation, would step after the wrong micro-batch once the count changed.)"""
     import copy
 
-    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.engine import build_engine, init_distributed
     from bertpipe.training.core.step import OptimizerStep
+    from bertpipe.training.pretrain.phases import phase_engine
 
     init_distributed()
     cfg = load_config(
@@ -234,7 +236,7 @@ def test_steps_of_a_growing_batch_equal_plain_torch(stage: int) -> None:
     torch.manual_seed(0)
     model = _Net()
     reference = copy.deepcopy(model)
-    engine, _ = build_engine(model, EngineSpec.for_phase(cfg, cfg.phases[0], 1))
+    engine, _ = build_engine(model, phase_engine(cfg, cfg.phases[0], 1))
     opt = cfg.optimizer
     ref_opt = torch.optim.AdamW(
         param_groups(reference, opt.weight_decay),

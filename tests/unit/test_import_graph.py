@@ -8,8 +8,8 @@
 * Nothing outside the application layer imports it.
 * Stages import forwards only (docs: DESIGN "Imports follow the same direction"): preprocessing
   imports no other stage, training does not import finetuning.
-* No module imports another component's private name (``from bertpipe.training.pretrain.trainer import
-  _Faults`` in finetuning), nor reads one off an imported module (``trainer._Faults``).
+* No module imports another component's private name (``from bertpipe.training.pretrain.trainer
+  import _Faults`` in finetuning), nor reads one off an imported module (``trainer._Faults``).
 """
 
 from __future__ import annotations

@@ -35,17 +35,17 @@ import torch
 
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.checkpoint import disk as disk_space
+from bertpipe.training.core.config import CheckpointConfig
 from bertpipe.training.core.engine import DistInfo, EngineSpec
 from bertpipe.training.core.faults import NO_FAULTS, Faults
 from bertpipe.training.core.guard import SkipGuard, weights_finite
-from bertpipe.training.core.optim import reset_step_counters
+from bertpipe.training.core.optim import apply_settings, reset_step_counters
 from bertpipe.training.core.resume import (
     changed_settings,
     check_changes,
     log_changes,
     with_model_shape,
 )
-from bertpipe.training.pretrain.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,11 @@ class CheckpointManager:
         loader position from the step, :attr:`Restored.data` is None)."""
         state = resume.state
         self._load(engine, resume.tag)
-        spec.apply_to(engine)  # this config's rates and schedule (changed at resume?)
+        # this config's hyperparameters, peak rate and schedule (changed at resume?) over the
+        # ones the checkpoint restored
+        engine.lr_scheduler = apply_settings(
+            engine.lr_scheduler, spec.optimizer, spec.learning_rate, spec.schedule
+        )
         world = self.info.world_size
         log.info("resumed %s at step %d from %s", state.phase, state.phase_step, resume.tag)
         if resume.same_world(world):
@@ -210,7 +214,9 @@ class CheckpointManager:
             load_lr_scheduler_states=False,
             load_module_only=not keep,
         )
-        spec.apply_to(engine)
+        engine.lr_scheduler = apply_settings(
+            engine.lr_scheduler, spec.optimizer, spec.learning_rate, spec.schedule
+        )
         if reset:
             reset_step_counters(engine.optimizer)
 

@@ -6,7 +6,7 @@ with :func:`build_engine`, the only ``deepspeed.initialize`` in bertpipe. The De
 is a function of the spec (:func:`deepspeed_config`), logged with every run; there are no
 hand-kept JSON files. The learning rate follows a ``LambdaLR`` schedule that DeepSpeed steps
 once per optimizer step and saves in its checkpoints; it is set in one place,
-:func:`bertpipe.training.core.schedules.schedule_learning_rate`, at build and at resume.
+:func:`bertpipe.training.core.optim.schedule_learning_rate`, at build and at resume.
 """
 
 from __future__ import annotations
@@ -26,19 +26,12 @@ from torch import nn
 
 from bertpipe.errors import BertpipeError
 from bertpipe.launch import detect_launch
+from bertpipe.training.core.config import CheckpointConfig, OptimizerConfig, ZeroConfig
 from bertpipe.training.core.optim import (
     Lamb,
-    apply_settings,
     attach_zero_partitions,
     build_optimizer,
-)
-from bertpipe.training.core.schedules import lr_lambda, schedule_learning_rate
-from bertpipe.training.pretrain.config import (
-    CheckpointConfig,
-    OptimizerConfig,
-    PhaseSpec,
-    PretrainConfig,
-    ZeroConfig,
+    schedule_learning_rate,
 )
 
 log = logging.getLogger(__name__)
@@ -54,7 +47,6 @@ __all__ = [
     "EngineSpec",
     "build_engine",
     "deepspeed_config",
-    "ds_config",
     "engine_spec",
     "init_distributed",
 ]
@@ -114,11 +106,6 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     else:
         device = torch.device(accelerator.device_name())
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
-
-
-def ds_config(cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config of ``phase`` on ``world_size`` processes."""
-    return EngineSpec.for_phase(cfg, phase, world_size).ds_config()
 
 
 def deepspeed_config(
@@ -197,7 +184,8 @@ class EngineSettings(Protocol):
 class EngineSpec:
     """Everything an engine is built from: the batch, ZeRO and precision (the DeepSpeed
     config), the optimizer and its learning-rate schedule. Made by :func:`engine_spec`:
-    pre-training one per phase (:meth:`for_phase`), fine-tuning one per run."""
+    pre-training one per phase (:func:`bertpipe.training.pretrain.phases.phase_engine`),
+    fine-tuning one per run."""
 
     micro_batch_size: int
     global_batch_size: int
@@ -212,19 +200,6 @@ class EngineSpec:
     mixed_precision: str = "weights"
     loss_scale_power: int = 16
     universal: bool = False
-
-    @classmethod
-    def for_phase(cls, cfg: PretrainConfig, phase: PhaseSpec, world_size: int) -> EngineSpec:
-        """The engine of a pre-training phase on ``world_size`` processes."""
-        phase.accumulation(world_size)  # a clear config error for an indivisible batch
-        return engine_spec(
-            cfg,
-            micro_batch_size=phase.micro_batch_size,
-            global_batch_size=phase.global_batch_size,
-            world_size=world_size,
-            learning_rate=phase.learning_rate,
-            schedule=lr_lambda(phase, cfg),
-        )
 
     @property
     def accumulation(self) -> int:
@@ -241,13 +216,6 @@ class EngineSpec:
             loss_scale_power=self.loss_scale_power,
             universal=self.universal,
             mixed_precision=self.mixed_precision,
-        )
-
-    def apply_to(self, engine: Any) -> None:
-        """Write this spec's optimizer hyperparameters, peak rate and schedule into ``engine``
-        over the ones a checkpoint restored (:func:`bertpipe.training.core.optim.apply_settings`)."""
-        engine.lr_scheduler = apply_settings(
-            engine.lr_scheduler, self.optimizer, self.learning_rate, self.schedule
         )
 
 

@@ -20,7 +20,8 @@
   on GPU, its foreach AdamW on CPU), DeepSpeed's CPU Adam when the optimizer is offloaded;
   or LAMB.
 - :func:`apply_settings`: a resume applies the config's (maybe changed) hyperparameters,
-  rate and curve to a restored optimizer (the curves are in :mod:`bertpipe.training.core.schedules`).
+  rate and curve to a restored optimizer (the curves are in
+  :mod:`bertpipe.training.core.schedules`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ import torch
 from torch import nn
 
 from bertpipe.config import ConfigError
-from bertpipe.training.core.schedules import schedule_learning_rate
-from bertpipe.training.pretrain.config import OptimizerConfig
+from bertpipe.training.core.config import OptimizerConfig
 
 __all__ = [
     "Lamb",
@@ -45,6 +45,7 @@ __all__ = [
     "client_optimizer",
     "param_groups",
     "reset_step_counters",
+    "schedule_learning_rate",
 ]
 
 
@@ -463,3 +464,24 @@ def apply_settings(
             if key in group:
                 group[key] = value
     return schedule_learning_rate(optimizer, peak, schedule, scheduler.last_epoch)
+
+
+def schedule_learning_rate(
+    optimizer: torch.optim.Optimizer,
+    peak: float,
+    schedule: Callable[[int], float],
+    updates: int = 0,
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule of ``optimizer`` from now on: update ``u`` (counted from 0,
+    ``updates`` already made) uses ``peak * schedule(u)``; the next one's rate is set at once.
+
+    The only place bertpipe sets a learning rate: when an engine is built (``updates`` 0) and
+    when a resume applies the config's rate and curve to a restored optimizer (``updates``:
+    the restored scheduler's count, see :func:`apply_settings`). It takes torch's public
+    resume path: each group's ``initial_lr`` is the peak and the new ``LambdaLR`` starts at
+    ``last_epoch = updates - 1``. DeepSpeed steps the schedule once per applied update (a
+    skipped step is not counted) and saves it in its checkpoints.
+    """
+    for group in optimizer.param_groups:
+        group["initial_lr"] = peak
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule, last_epoch=updates - 1)

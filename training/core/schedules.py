@@ -1,12 +1,10 @@
-"""Learning-rate schedules of pre-training and fine-tuning.
-
-- :func:`lr_lambda`: linear warmup to the peak, then linear (the paper) or polynomial
-  (NVIDIA) decay to zero (:func:`warmup_decay`), or warmup-stable-decay
-  (:func:`warmup_stable_decay`), as a multiplier for ``torch.optim.lr_scheduler.LambdaLR``.
-  Steps are optimizer steps (also under batch-size warmup, whatever a step's batch).
-- :func:`schedule_learning_rate`: the one place the learning rate is set, when an engine is
-  built and when a resume applies the config's (maybe changed) rate and curve
-  (:func:`bertpipe.training.core.optim.apply_settings`), through torch's public API only.
+"""The shapes of a learning-rate schedule, as multipliers of the peak rate for
+``torch.optim.lr_scheduler.LambdaLR``: linear warmup to the peak, then linear (the paper) or
+polynomial (NVIDIA) decay to zero (:func:`warmup_decay`), or warmup-stable-decay
+(:func:`warmup_stable_decay`). Steps are optimizer steps (also under batch-size warmup,
+whatever a step's batch). A pre-training phase picks its curve from its config
+(:func:`bertpipe.training.pretrain.phases.lr_lambda`), fine-tuning its own; the rate itself
+is set in :func:`bertpipe.training.core.optim.schedule_learning_rate`.
 """
 
 from __future__ import annotations
@@ -14,50 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch
-
-from bertpipe.training.pretrain.config import PhaseSpec, PretrainConfig
-
-__all__ = [
-    "lr_lambda",
-    "schedule_learning_rate",
-    "warmup_decay",
-    "warmup_stable_decay",
-]
-
-
-def lr_lambda(phase: PhaseSpec, cfg: PretrainConfig | None = None) -> Callable[[int], float]:
-    """The multiplier schedule of a pre-training phase (see :func:`warmup_decay` and
-    :func:`warmup_stable_decay`); with ``cfg.schedule == "continuous"`` the phase's stretch
-    of one schedule over all phases: phase 1's warmup and curve over the steps of all phases
-    (a ``wsd`` cooldown is the last ``decay_fraction`` of those)."""
-    if cfg is None or cfg.schedule == "per_phase":
-        return _curve(phase, phase.max_steps)
-    index = next(i for i, p in enumerate(cfg.phases) if p.name == phase.name)
-    offset = sum(p.max_steps for p in cfg.phases[:index])
-    whole = _curve(cfg.phases[0], sum(p.max_steps for p in cfg.phases))
-    return lambda step: whole(offset + step)
-
-
-def _curve(phase: PhaseSpec, total: int) -> Callable[[int], float]:
-    """``phase``'s warmup and decay settings over ``total`` optimizer steps."""
-    if phase.decay == "wsd":
-        return warmup_stable_decay(
-            phase.warmup_steps(),
-            total,
-            phase.cooldown_steps(total),
-            phase.decay_shape,
-            phase.min_lr_ratio,
-        )
-    return warmup_decay(_warmup(phase), total, phase.decay, phase.decay_power, phase.decay_from)
-
-
-def _warmup(phase: PhaseSpec) -> float:
-    """Warmup in updates; unrounded for ``decay_from="start"``, as NVIDIA's scheduler takes
-    the fraction itself (0.2843 of 7038 steps is 2000.9)."""
-    if phase.decay_from == "start" and phase.warmup < 1:
-        return phase.warmup * phase.max_steps
-    return phase.warmup_steps()
+__all__ = ["warmup_decay", "warmup_stable_decay"]
 
 
 def warmup_decay(
@@ -140,24 +95,3 @@ def warmup_stable_decay(
         return min_ratio + (1.0 - min_ratio) * left
 
     return multiplier
-
-
-def schedule_learning_rate(
-    optimizer: torch.optim.Optimizer,
-    peak: float,
-    schedule: Callable[[int], float],
-    updates: int = 0,
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """The learning-rate schedule of ``optimizer`` from now on: update ``u`` (counted from 0,
-    ``updates`` already made) uses ``peak * schedule(u)``; the next one's rate is set at once.
-
-    The only place bertpipe sets a learning rate: when an engine is built (``updates`` 0) and
-    when a resume applies the config's rate and curve to a restored optimizer (``updates``:
-    the restored scheduler's count, see :func:`apply_settings`). It takes torch's public
-    resume path: each group's ``initial_lr`` is the peak and the new ``LambdaLR`` starts at
-    ``last_epoch = updates - 1``. DeepSpeed steps the schedule once per applied update (a
-    skipped step is not counted) and saves it in its checkpoints.
-    """
-    for group in optimizer.param_groups:
-        group["initial_lr"] = peak
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule, last_epoch=updates - 1)

@@ -9,11 +9,10 @@ micro-batches than the engine was built for (pre-training's batch-size warmup).
 
 :class:`BatchPrep` turns a pre-training loader's padded host batch
 (:mod:`bertpipe.training.pretrain.data.collate`) into what the model takes, packed with
-:func:`bertpipe.training.pretrain.data.collate.unpad_batch` when unpadding is on, pinned and copied without
-blocking on a GPU, and counts on the host (no device read) what the step will compute:
-sequences, real and padded tokens, and model FLOPs on real tokens (the numerator of MFU)
-and on the padded shape (what a padded encoder computes).
-"""
+:func:`bertpipe.training.pretrain.data.collate.unpad_batch` when unpadding is on, pinned and copied
+without blocking on a GPU, and counts on the host (no device read) what the step will compute:
+sequences, real and padded tokens, and model FLOPs on real tokens (the numerator of MFU) and on the
+padded shape (what a padded encoder computes)."""
 
 from __future__ import annotations
 

@@ -84,8 +84,8 @@ def _dense_attention(
     q: Tensor, k: Tensor, v: Tensor, dropout_p: float, window: int | None = None
 ) -> Tensor:
     """[..., A, L, D] x3 -> [..., A, L, D], keys limited to ``window`` (None: all). Dropout
-    through bertpipe.training.models.bert.model.dropout on CPU (SDPA's CPU kernels cannot drop attention
-    weights)."""
+    through bertpipe.training.models.bert.model.dropout on CPU (SDPA's CPU kernels cannot drop
+    attention weights)."""
     mask = band_mask(q.shape[-2], window, q.device)
     if dropout_p > 0 and q.device.type == "cpu":
         from bertpipe.training.models.bert.model import dropout

@@ -1,5 +1,6 @@
-"""The two encoder families behind one set of calls: BERT (:mod:`bertpipe.training.models.bert.model`)
-and ModernBERT (:mod:`bertpipe.training.models.modernbert.model`).
+"""The two encoder families behind one set of calls: BERT
+(:mod:`bertpipe.training.models.bert.model`) and ModernBERT
+(:mod:`bertpipe.training.models.modernbert.model`).
 
 A model config says which family it is (``family`` on :class:`ModernBertModelConfig`; BERT's
 config has none), and so does the dict a checkpoint records of it; these functions build the

@@ -1,9 +1,9 @@
 """``bertpipe plan``: print what a pre-training config will do and need, starting nothing.
 
-The arithmetic lives in :mod:`bertpipe.training.plan.plan`; this module parses the options and prints
-the plan as a table (or, with ``--json``, as one JSON object on the last line). The options'
-flags are generated from :class:`~bertpipe.training.plan.options.PlanOptions` (name, type,
-default, docstring as help; :data:`PLAN_FLAGS` renames a few).
+The arithmetic lives in :mod:`bertpipe.training.plan.plan`; this module parses the options and
+prints the plan as a table (or, with ``--json``, as one JSON object on the last line). The options'
+flags are generated from :class:`~bertpipe.training.plan.options.PlanOptions` (name, type, default,
+docstring as help; :data:`PLAN_FLAGS` renames a few).
 
 Example, NVIDIA's BERT-Large LAMB recipe on 4 nodes x 8 H100 (``paper.yaml``)::
 

@@ -1,10 +1,9 @@
 """What a planned phase's data gives each rank: shards, loader readers, batches and epochs.
 
 Part of ``bertpipe plan`` (:mod:`bertpipe.training.plan.plan`): the manifest is read and the
-blocks are partitioned by the loader's own functions (:mod:`bertpipe.training.pretrain.data.loader`), so the
-figures are the ones ``pretrain`` will see. The loader module imports webdataset: it is
-imported only when a manifest is read.
-"""
+blocks are partitioned by the loader's own functions
+(:mod:`bertpipe.training.pretrain.data.loader`), so the figures are the ones ``pretrain`` will see.
+The loader module imports webdataset: it is imported only when a manifest is read."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ __all__ = ["DataPlan", "data_plan", "read_manifest"]
 
 def read_manifest(data_url: str) -> Manifest | None:
     """The phase folder's manifest, read and checked by the loader's own
-    :func:`bertpipe.training.pretrain.data.loader.load_manifest` (so a broken folder fails here as it would in
-    ``pretrain``), or None when the folder has no ``manifest.json``."""
+    :func:`bertpipe.training.pretrain.data.loader.load_manifest` (so a broken folder fails here as
+    it would in ``pretrain``), or None when the folder has no ``manifest.json``."""
     if not fsio.exists(fsio.join(data_url, "manifest.json")):
         return None
     from bertpipe.training.pretrain.data.manifest import load_manifest
@@ -64,13 +63,13 @@ def data_plan(
     accumulation: int,
     samples: int,
 ) -> DataPlan:
-    """Shards and batches per rank as the loader (:mod:`bertpipe.training.pretrain.data.loader`) will cut them.
+    """Shards and batches per rank as the loader (:mod:`bertpipe.training.pretrain.data.loader`)
+    will cut them.
 
     The loader splits the training split's blocks into N x W reader groups of about equal
-    instance counts (:func:`bertpipe.training.pretrain.data.loader.partition_blocks`, W = max(1, num_workers)) and
-    every reader yields ``floor(min over readers of instances / b)`` batches per epoch, so
-    a rank gets W times that and no rank waits for another at the end of an epoch.
-    """
+    instance counts (:func:`bertpipe.training.pretrain.data.loader.partition_blocks`, W = max(1,
+    num_workers)) and every reader yields ``floor(min over readers of instances / b)`` batches per
+    epoch, so a rank gets W times that and no rank waits for another at the end of an epoch."""
     if manifest is None:
         return DataPlan(url=url, found=False)
     from bertpipe.training.pretrain.data.loader import partition_blocks

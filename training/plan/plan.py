@@ -155,8 +155,8 @@ def make_plan(
         )
     if options.gpu is not None and peak is None:
         warnings.append(
-            f"no dense {cfg.precision} peak for {options.gpu!r} in training/models/flops.py: no time "
-            "estimate (set device_peak_tflops=... to give one)"
+            f"no dense {cfg.precision} peak for {options.gpu!r} in training/models/flops.py: "
+            "no time estimate (set device_peak_tflops=... to give one)"
         )
 
     _model_config(cfg, options.vocab_size or DEFAULT_VOCAB_SIZE)  # config errors before data

@@ -54,7 +54,7 @@ from bertpipe.training.pretrain.config import PretrainConfig
 from bertpipe.training.pretrain.data.loader import build_pretraining_data
 from bertpipe.training.pretrain.data.manifest import DataError, PhaseData, read_phase_data
 from bertpipe.training.pretrain.metrics import Window, loss_scale, memory_metrics
-from bertpipe.training.pretrain.phases import model_config
+from bertpipe.training.pretrain.phases import model_config, phase_engine
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Trainer:
         return model
 
     def engine_spec(self, index: int) -> EngineSpec:
-        return EngineSpec.for_phase(self.cfg, self.cfg.phases[index], self.world)
+        return phase_engine(self.cfg, self.cfg.phases[index], self.world)
 
     def loader(self, index: int, evaluation: bool = False) -> Any:
         """Phase ``index``'s training loader, or its held-out one (the one factory), from the

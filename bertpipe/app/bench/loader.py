@@ -7,9 +7,9 @@ instances 128 tokens long and 10% uniformly shorter (16-127), segment B starting
 in the middle, static masks chosen by
 :func:`~bertpipe.preprocessing.masking.mask_block` (15%, at most
 20 per instance, ~19 at length 128), 256 instances per sample, by default 8 shards of 20,000
-instances. The loader (:class:`bertpipe.training.pretrain.data.loader.PretrainingData`, ``num_workers`` 0: reading,
-decoding, shuffling and collation all in the calling process) then produces padded
-micro-batches of 32 after a short warm-up; ``instances_per_s`` is wall-clock,
+instances. The loader (:class:`bertpipe.training.pretrain.data.loader.PretrainingData`,
+``num_workers`` 0: reading, decoding, shuffling and collation all in the calling process) then
+produces padded micro-batches of 32 after a short warm-up; ``instances_per_s`` is wall-clock,
 ``instances_per_cpu_s`` uses the process's CPU time (steadier on a shared machine). With
 ``--dynamic`` the shards are unmasked and the loader masks them itself.
 

@@ -99,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _synthetic_batches(
     model_cfg: Any, micro_batch: int, seq_len: int, num_masked: int, seed: int
 ) -> Iterator[dict[str, Any]]:
-    """Full-length host batches in the collator's layout (:mod:`bertpipe.training.pretrain.data.collate`)."""
+    """Full-length host batches in the collator's layout
+    (:mod:`bertpipe.training.pretrain.data.collate`)."""
     import numpy as np
     import torch
 
@@ -173,10 +174,11 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
 
     from bertpipe.app.bench.train import _peak_memory_gb
     from bertpipe.config import load_config
-    from bertpipe.training.core.engine import EngineSpec, build_engine, init_distributed
+    from bertpipe.training.core.engine import build_engine, init_distributed
     from bertpipe.training.core.step import BatchPrep, OptimizerStep
     from bertpipe.training.models.families import pretraining_model
     from bertpipe.training.pretrain.config import PretrainConfig
+    from bertpipe.training.pretrain.phases import phase_engine
 
     torch.set_num_threads(job["threads"])
     logging.basicConfig(level=logging.WARNING)
@@ -185,7 +187,7 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
     model_cfg = _model_config(cfg)
     torch.manual_seed(cfg.seed)
     model = pretraining_model(model_cfg)  # the config's family (BERT: MLM + NSP heads)
-    spec = EngineSpec.for_phase(cfg, cfg.phases[0], info.world_size)
+    spec = phase_engine(cfg, cfg.phases[0], info.world_size)
     engine, _ = build_engine(model, spec)
     nsp = cfg.model.resolved_family == "bert"
     prep = BatchPrep(model_cfg, info.device, unpad=cfg.model.unpad, nsp=nsp)

@@ -1,9 +1,9 @@
 """Time one forward+backward of our BertForPreTraining against transformers' on the same batch.
 
 Both models get the same configuration, the same weights (copied with
-:func:`bertpipe.training.models.bert.hf.export_state_dict`) and the same inputs: 15% of the real tokens masked.
-transformers gets the usual ``labels`` tensor (-100 except at masked positions) and builds
-the full ``[B, S, V]`` logits; ours gets the flat masked positions and predicts only there.
+:func:`bertpipe.training.models.bert.hf.export_state_dict`) and the same inputs: 15% of the real
+tokens masked. transformers gets the usual ``labels`` tensor (-100 except at masked positions) and
+builds the full ``[B, S, V]`` logits; ours gets the flat masked positions and predicts only there.
 Both run in train mode with dropout on. Usage::
 
     PYTHONPATH=. python -m bertpipe.app.bench.model --preset base --batch-size 8 --seq-len 128

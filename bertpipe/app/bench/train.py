@@ -1,10 +1,11 @@
 """``bertpipe bench train``: optimizer steps of the real pre-training path on one device.
 
-The same pieces as ``bertpipe pretrain``: the model of :mod:`bertpipe.training.models.bert.model` (padded
-or unpadded, eager or compiled), the DeepSpeed engine of
+The same pieces as ``bertpipe pretrain``: the model of :mod:`bertpipe.training.models.bert.model`
+(padded or unpadded, eager or compiled), the DeepSpeed engine of
 :func:`bertpipe.training.core.engine.build_engine` (ZeRO stage, precision, optimizer, clipping from
-the typed config), the trainer's loader (:func:`bertpipe.training.pretrain.data.loader.build_pretraining_data`)
-and its guarded step (:class:`bertpipe.training.core.step.OptimizerStep`,
+the typed config), the trainer's loader
+(:func:`bertpipe.training.pretrain.data.loader.build_pretraining_data`) and its guarded step
+(:class:`bertpipe.training.core.step.OptimizerStep`,
 :class:`bertpipe.training.core.step.BatchPrep`), for a preset at one phase's shape. The shards are
 ``--data`` (a phase folder with ``manifest.json``) or synthetic ones
 written to a temporary folder, whose lengths follow Google's instance recipe on documents of
@@ -165,7 +166,8 @@ class _Timer:
 
 
 def _step_figures(stats: Any) -> dict[str, float]:
-    """A step's :class:`~bertpipe.training.core.step.BatchStats` as the figures :func:`_figures` sums."""
+    """A step's :class:`~bertpipe.training.core.step.BatchStats` as the figures
+    :func:`_figures` sums."""
     keys = ("sequences", "real_tokens", "padded_tokens", "flops", "padded_flops")
     return {k: float(getattr(stats, k)) for k in keys}
 

@@ -1,7 +1,7 @@
 """The BERT architecture's configuration, without torch: ``bertpipe plan``, the launch gate
 in front of every multi-node job, sizes a run from it in a second (importing torch alone
-takes ~2 s of a 4.9 s ``plan``); :mod:`bertpipe.training.models.bert.model` builds the modules from it.
-"""
+takes ~2 s of a 4.9 s ``plan``); :mod:`bertpipe.training.models.bert.model` builds the modules from
+it."""
 
 from __future__ import annotations
 

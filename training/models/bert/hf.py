@@ -283,11 +283,10 @@ def load_into(
 ) -> LoadReport:
     """Copy ``state_dict`` (transformers or our names, padded vocab or not) into ``model``.
 
-    Works for :class:`~bertpipe.training.models.bert.model.BertForPreTraining`, a bare ``BertModel`` and the
-    fine-tuning heads. Missing embedding or encoder weights always raise; other missing keys
-    (pooler, MLM/NSP heads, task heads) raise only with ``strict_heads``, else they keep
-    their initialisation and are reported. Unexpected keys are reported and ignored.
-    """
+    Works for :class:`~bertpipe.training.models.bert.model.BertForPreTraining`, a bare ``BertModel``
+    and the fine-tuning heads. Missing embedding or encoder weights always raise; other missing keys
+    (pooler, MLM/NSP heads, task heads) raise only with ``strict_heads``, else they keep their
+    initialisation and are reported. Unexpected keys are reported and ignored."""
     cfg: ModelConfig = model.config  # type: ignore[assignment]
     prefix, core_parts = _PREFIX[getattr(cfg, "family", "bert")]
     target = model.state_dict()

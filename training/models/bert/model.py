@@ -2,7 +2,8 @@
 
 Module and parameter names match ``transformers.BertForPreTraining`` one-to-one
 (``bert.encoder.layer.0.attention.self.query.weight``, ``cls.predictions.bias``, ...), so
-state dicts convert without renaming (see :mod:`bertpipe.training.models.bert.hf`). Two things differ inside:
+state dicts convert without renaming (see :mod:`bertpipe.training.models.bert.hf`). Two things
+differ inside:
 
 * the vocabulary is padded to a multiple of ``pad_vocab_multiple`` (embedding rows and
   decoder bias); logits are sliced back to the real ``vocab_size``;
@@ -324,9 +325,8 @@ class BertModel(nn.Module):
 
         Packed (unpadded) layout, with ``varlen``: ``input_ids``, ``token_type_ids`` and
         ``position_ids`` long [T], the real tokens of B sequences one after the other (see
-        :func:`bertpipe.training.pretrain.data.collate.unpad_batch`); no attention mask. The encoder then computes
-        nothing for padding, and ``sequence_output`` is [T, H].
-        """
+        :func:`bertpipe.training.pretrain.data.collate.unpad_batch`); no attention mask. The encoder
+        then computes nothing for padding, and ``sequence_output`` is [T, H]."""
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         if varlen is not None:

@@ -2,10 +2,10 @@
 from it in a second, as from :class:`~bertpipe.training.models.bert.config.BertModelConfig`).
 
 Fields follow transformers' ``ModernBertConfig`` (names mapped in
-:mod:`bertpipe.training.models.modernbert.hf`); :mod:`bertpipe.training.models.modernbert.model` builds the modules.
-The published sizes are those of answerdotai/ModernBERT-base and -large (Warner et al. 2024,
-"Smarter, Better, Faster, Longer", arXiv:2412.13663, table 3 and the released config.json).
-"""
+:mod:`bertpipe.training.models.modernbert.hf`); :mod:`bertpipe.training.models.modernbert.model`
+builds the modules. The published sizes are those of answerdotai/ModernBERT-base and -large (Warner
+et al. 2024, "Smarter, Better, Faster, Longer", arXiv:2412.13663, table 3 and the released
+config.json)."""
 
 from __future__ import annotations
 

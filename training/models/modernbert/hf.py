@@ -1,12 +1,11 @@
 """transformers' ModernBERT config.json to and from :class:`ModernBertModelConfig`.
 
-Parameter names are transformers' own (:mod:`bertpipe.training.models.modernbert.model`), so the weights
-need no renaming; :mod:`bertpipe.training.models.bert.hf` reads and writes the folders of both families.
-config.json is written in both of transformers' spellings of RoPE and the layer pattern
-(``global_rope_theta``/``local_rope_theta``/``global_attn_every_n_layers``, read by 4.48-4.x,
-and ``rope_parameters``/``layer_types``, read by 5.x), so either major version loads it;
-ModernBERT arrived in transformers 4.48.
-"""
+Parameter names are transformers' own (:mod:`bertpipe.training.models.modernbert.model`), so the
+weights need no renaming; :mod:`bertpipe.training.models.bert.hf` reads and writes the folders of
+both families. config.json is written in both of transformers' spellings of RoPE and the layer
+pattern (``global_rope_theta``/``local_rope_theta``/``global_attn_every_n_layers``, read by
+4.48-4.x, and ``rope_parameters``/``layer_types``, read by 5.x), so either major version loads it;
+ModernBERT arrived in transformers 4.48."""
 
 from __future__ import annotations
 

@@ -11,9 +11,10 @@ distance <= half of it) with base ``local_rope_theta``; a final LayerNorm; the M
 
 Module and parameter names match transformers one-to-one (``model.layers.0.attn.Wqkv.weight``,
 ``head.norm.weight``, ``decoder.bias``), so state dicts convert without renaming
-(:mod:`bertpipe.training.models.modernbert.hf`). As in :mod:`bertpipe.training.models.bert.model`: the vocabulary is
-padded internally, the MLM head runs only at the masked positions when given, and the encoder
-runs on packed real tokens (:class:`~bertpipe.training.models.attention.Varlen`) or on a padded batch.
+(:mod:`bertpipe.training.models.modernbert.hf`). As in :mod:`bertpipe.training.models.bert.model`:
+the vocabulary is padded internally, the MLM head runs only at the masked positions when given, and
+the encoder runs on packed real tokens (:class:`~bertpipe.training.models.attention.Varlen`) or on a
+padded batch.
 
 Shapes: B batch, S sequence length, T packed tokens, H hidden, A heads, D head size.
 """
@@ -248,8 +249,8 @@ def init_modern_weights(model: nn.Module, cfg: ModernBertModelConfig) -> None:
 
 class ModernBertForMaskedLM(nn.Module):
     """ModernBERT with its MLM head, for pre-training; takes the batches of
-    :class:`~bertpipe.training.models.bert.model.BertForPreTraining` (segment ids and NSP labels, which
-    this architecture has no use for, are accepted and ignored)."""
+    :class:`~bertpipe.training.models.bert.model.BertForPreTraining` (segment ids and NSP labels,
+    which this architecture has no use for, are accepted and ignored)."""
 
     def __init__(self, cfg: ModernBertModelConfig) -> None:
         super().__init__()

@@ -2,7 +2,8 @@
 
 A phase folder (``manifest.json`` + WebDataset tar shards, see docs/data-format.md) is read
 by R ranks x W loader workers = P *slots* (W = 1 when ``num_workers`` is 0). Everything is
-planned from the manifest alone (:mod:`bertpipe.training.pretrain.data.manifest`), with no communication:
+planned from the manifest alone (:mod:`bertpipe.training.pretrain.data.manifest`), with no
+communication:
 
 - **Partition** (the same every epoch): shards are placed whole, largest first, on the least
   loaded slot while they fit its share; the shards left over are cut into contiguous runs of
@@ -23,12 +24,11 @@ planned from the manifest alone (:mod:`bertpipe.training.pretrain.data.manifest`
   plays worker (w + k) % W, so the DataLoader's round robin continues where it stopped.
   The workers are started, stopped and killed by :mod:`bertpipe.training.pretrain.data.workers`.
 
-A slot's shards are read by :func:`bertpipe.training.pretrain.data.shards.read_shards` (whole, checksum
-verified, the next one prefetched; transient errors retried). The loader checks what their
-blocks hold: instance counts against the manifest's and token or label ids inside the
-vocabulary (:class:`~bertpipe.training.pretrain.data.manifest.DataError`, exit status 2, naming the shard),
-and with dynamic masking (shards written with ``masking: none``) masks every block.
-"""
+A slot's shards are read by :func:`bertpipe.training.pretrain.data.shards.read_shards` (whole,
+checksum verified, the next one prefetched; transient errors retried). The loader checks what their
+blocks hold: instance counts against the manifest's and token or label ids inside the vocabulary
+(:class:`~bertpipe.training.pretrain.data.manifest.DataError`, exit status 2, naming the shard), and
+with dynamic masking (shards written with ``masking: none``) masks every block."""
 
 from __future__ import annotations
 
@@ -266,8 +266,8 @@ class PretrainingData:
 
     ``source`` is the phase folder's URL (its manifest is read and validated here) or its
     manifest already read (:func:`~bertpipe.training.pretrain.data.manifest.load_manifest`,
-    :attr:`PhaseData.parsed <bertpipe.training.pretrain.data.manifest.PhaseData.parsed>`): then nothing
-    is read before the first batch.
+    :attr:`PhaseData.parsed <bertpipe.training.pretrain.data.manifest.PhaseData.parsed>`): then
+    nothing is read before the first batch.
 
     Batches are dicts of int64 tensors, see :mod:`bertpipe.training.pretrain.data.collate`.
     """
@@ -462,8 +462,8 @@ def build_pretraining_data(
     (after unpadding, which makes new tensors).
 
     ``manifest``: ``phase.data``'s manifest if already read (the trainer's
-    :attr:`PhaseData.parsed <bertpipe.training.pretrain.data.manifest.PhaseData.parsed>`): it is not read
-    again."""
+    :attr:`PhaseData.parsed <bertpipe.training.pretrain.data.manifest.PhaseData.parsed>`): it is not
+    read again."""
     train = evaluation is None
     return PretrainingData(
         phase.data if manifest is None else manifest,

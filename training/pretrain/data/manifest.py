@@ -2,13 +2,13 @@
 
 A phase folder (``manifest.json`` + WebDataset tar shards, see docs/data-format.md) is
 described by its manifest alone: the loader plans every epoch from it
-(:mod:`bertpipe.training.pretrain.data.loader`) and the trainer identifies the data by the checksum of its
-bytes. :func:`read_phase_data` reads those bytes once, on every rank before the process group
-does any work, and keeps the raw dict (tokenizer checksum, stats, config: what tracking and
-the model config read), the bytes' sha256, and the validated :class:`Manifest` the loader
-needs, parsed from the same bytes: a loader built from it (``PretrainingData(manifest)``,
-``build_pretraining_data(..., manifest=...)``) reads nothing again. :func:`load_manifest`
-reads and validates a folder's manifest for callers that have no phase (benches, the plan).
+(:mod:`bertpipe.training.pretrain.data.loader`) and the trainer identifies the data by the checksum
+of its bytes. :func:`read_phase_data` reads those bytes once, on every rank before the process group
+does any work, and keeps the raw dict (tokenizer checksum, stats, config: what tracking and the
+model config read), the bytes' sha256, and the validated :class:`Manifest` the loader needs, parsed
+from the same bytes: a loader built from it (``PretrainingData(manifest)``,
+``build_pretraining_data(..., manifest=...)``) reads nothing again. :func:`load_manifest` reads and
+validates a folder's manifest for callers that have no phase (benches, the plan).
 
 Validation checks the format and schema version, that every shard's sample count fits its
 instance count, the masking mode, the objective (absent in older manifests: ``mlm+nsp``), and

@@ -10,8 +10,8 @@ default). Shards larger than :data:`WHOLE_READ_MAX` are streamed through the tar
 instead, without prefetch. The ``webdataset.WebDataset`` pipeline is not used: its URL
 opener knows no fsspec schemes, and its node/worker splitting (which raises under DDP and
 gives ranks unequal counts) is replaced by the loader's partition
-(:func:`bertpipe.training.pretrain.data.loader.partition_blocks`). Members of blocks a reader does not need
-are skipped (``select_files``). Blocks are decoded by ``InstanceBlock.from_sample``
+(:func:`bertpipe.training.pretrain.data.loader.partition_blocks`). Members of blocks a reader does
+not need are skipped (``select_files``). Blocks are decoded by ``InstanceBlock.from_sample``
 (``.npy`` with ``allow_pickle=False``).
 
 Faults: a read that fails with an error that may be transient (``OSError``: I/O error, file
@@ -22,9 +22,8 @@ one resumes after the last block delivered); still failing,
 reader reaches that shard (a prefetch's error waits for it). A corrupt shard (tar or
 ``.npy`` errors, samples the manifest lists and the shard lacks) and a shard whose sha256
 differs from its manifest's (checked on every read of it, ``data.verify_checksums``) are
-:class:`~bertpipe.training.pretrain.data.manifest.DataError` (exit status 2), naming the shard. What the
-blocks hold (instance counts, ids in the vocabulary) is checked by the loader.
-"""
+:class:`~bertpipe.training.pretrain.data.manifest.DataError` (exit status 2), naming the shard. What
+the blocks hold (instance counts, ids in the vocabulary) is checked by the loader."""
 
 from __future__ import annotations
 
