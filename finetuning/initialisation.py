@@ -21,12 +21,7 @@ import torch
 from bertpipe import fsio, staging
 from bertpipe.config import ConfigError
 from bertpipe.finetuning.config import FinetuneConfig
-from bertpipe.finetuning.heads import (
-    BertForQuestionAnswering,
-    BertForSequenceClassification,
-    BertForTokenClassification,
-    BertTaskModel,
-)
+from bertpipe.finetuning.heads import TASK_MODELS, BertTaskModel
 from bertpipe.training import checkpoint as ckpt
 from bertpipe.training.models.bert.model import BertModelConfig
 
@@ -84,7 +79,7 @@ def load_initialisation(cfg: FinetuneConfig) -> Initialisation:
 
 def _load_hf_initialisation(cfg: FinetuneConfig, source: Path, url: str) -> Initialisation:
     """An export read from local folder ``source`` (a copy of ``url``)."""
-    from bertpipe.training.models.bert.hf import load_hf_folder
+    from bertpipe.training.models.hf import load_hf_folder
 
     model_cfg, weights = load_hf_folder(source)
     lineage = {}
@@ -127,32 +122,16 @@ def _load_checkpoint_initialisation(cfg: FinetuneConfig, folder: str) -> Initial
 def load_task_model(folder: str | Path) -> BertTaskModel:
     """The fine-tuned model saved in ``folder`` (a run's ``best/``) as its bertpipe task model,
     in eval mode."""
-    from bertpipe.training.models.bert.hf import load_hf_folder, load_into
+    from bertpipe.training.models.hf import load_hf_folder, load_into
 
     hf_config = json.loads((Path(folder) / "config.json").read_text())
     architecture = (hf_config.get("architectures") or [""])[0]
     model_cfg, weights = load_hf_folder(folder)
     num_labels = len(hf_config.get("id2label") or {}) or 1
-    model: BertTaskModel
-    if architecture.startswith("ModernBert"):
-        from bertpipe.finetuning import modern_heads as modern
-
-        if architecture == "ModernBertForQuestionAnswering":
-            model = modern.ModernBertForQuestionAnswering(model_cfg)  # type: ignore[arg-type]
-        elif architecture == "ModernBertForTokenClassification":
-            model = modern.ModernBertForTokenClassification(model_cfg, num_labels)  # type: ignore[arg-type]
-        elif architecture == "ModernBertForSequenceClassification":
-            model = modern.ModernBertForSequenceClassification(model_cfg, num_labels)  # type: ignore[arg-type]
-        else:
-            raise ValueError(f"{folder} holds a {architecture} model, not a task model")
-    elif architecture == "BertForQuestionAnswering":
-        model = BertForQuestionAnswering(model_cfg)
-    elif architecture == "BertForTokenClassification":
-        model = BertForTokenClassification(model_cfg, num_labels)
-    elif architecture == "BertForSequenceClassification":
-        model = BertForSequenceClassification(model_cfg, num_labels)
-    else:
+    kind = TASK_MODELS.get(architecture)
+    if kind is None:
         raise ValueError(f"{folder} holds a {architecture or 'non-task'} model, not a task model")
+    model = kind(model_cfg) if kind.span_qa else kind(model_cfg, num_labels)  # type: ignore[call-arg]
     load_into(model, weights, strict_heads=True)
     return model.eval()
 

@@ -28,7 +28,7 @@ def save_best(module: nn.Module, output: Path, tokenizer_dir: str, spec: TaskSpe
     """Write ``module`` (the engine's model) as ``<output>/best``, an HF folder with the
     tokenizer's files and the task's label names (rank 0)."""
     from bertpipe.preprocessing.tokenizer import load_tokenizer, tokenizer_files
-    from bertpipe.training.models.bert.hf import save_hf_folder
+    from bertpipe.training.models.hf import save_hf_folder
 
     best = output / "best"
     if best.exists():

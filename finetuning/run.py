@@ -229,7 +229,7 @@ class Finetuner:
         torch.manual_seed(self.cfg.seed)  # the head's initialisation, identical on every rank
         model = build_head(self.data.spec, self.model_cfg, self.cfg.classifier_dropout)
         if not self.cfg.random_init:
-            from bertpipe.training.models.bert.hf import load_into
+            from bertpipe.training.models.hf import load_into
 
             load_into(model, self.init.weights, strict_heads=False)
         torch.manual_seed(self.cfg.seed + 1000 * self.info.rank)  # dropout

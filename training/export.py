@@ -220,7 +220,7 @@ def _write_export(
 ) -> dict[str, Any]:
     """The HF folder and its ``bertpipe_export.json`` in local folder ``target``."""
     from bertpipe.preprocessing.tokenizer import SpecialTokens, tokenizer_checksum
-    from bertpipe.training.models.bert.hf import save_hf_folder
+    from bertpipe.training.models.hf import save_hf_folder
 
     specials = SpecialTokens.from_tokenizer(tok, source)
     token_ids = {"cls": specials.cls, "sep": specials.sep, "pad": specials.pad}

@@ -64,8 +64,8 @@ def write(tmp_path: Path):
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny BERT exported like `bertpipe export` does, with its tokenizer and lineage."""
     from bertpipe.preprocessing.tokenizer import build_from_vocab, save_tokenizer
-    from bertpipe.training.models.bert.hf import save_hf_folder
     from bertpipe.training.models.bert.model import BertForPreTraining, BertModelConfig
+    from bertpipe.training.models.hf import save_hf_folder
 
     folder = tmp_path_factory.mktemp("bert")
     tokenizer = build_from_vocab(list(dict.fromkeys(VOCAB)))
@@ -89,7 +89,7 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def modern_pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny ModernBERT exported like `bertpipe export` does (local window 16 tokens)."""
     from bertpipe.preprocessing.tokenizer import build_from_vocab, save_tokenizer
-    from bertpipe.training.models.bert.hf import save_hf_folder
+    from bertpipe.training.models.hf import save_hf_folder
     from bertpipe.training.models.modernbert.model import (
         ModernBertForMaskedLM,
         ModernBertModelConfig,

@@ -14,8 +14,8 @@ from bertpipe.finetuning.heads import (
     BertForTokenClassification,
     BertTaskModel,
 )
-from bertpipe.training.models.bert.hf import export_state_dict, save_hf_folder
 from bertpipe.training.models.bert.model import BertForPreTraining, BertModelConfig
+from bertpipe.training.models.hf import export_state_dict, save_hf_folder
 
 VOCAB = 203
 

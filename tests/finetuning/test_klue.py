@@ -44,8 +44,8 @@ def korean_bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny cased BERT exported like ``bertpipe export`` does, its vocabulary the test
     rows' Hangul syllables (whole and as ``##`` pieces) and a few whole words."""
     from bertpipe.preprocessing.tokenizer import build_from_vocab, save_tokenizer
-    from bertpipe.training.models.bert.hf import save_hf_folder
     from bertpipe.training.models.bert.model import BertForPreTraining, BertModelConfig
+    from bertpipe.training.models.hf import save_hf_folder
 
     folder = tmp_path_factory.mktemp("korean-bert")
     tokenizer = build_from_vocab(korean_vocab(), lowercase=False)

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.finetuning.heads import BertTaskModel
-from bertpipe.finetuning.initialisation import load_task_model
-from bertpipe.finetuning.modern_heads import (
+from bertpipe.finetuning.heads import (
+    BertTaskModel,
     ModernBertForQuestionAnswering,
     ModernBertForSequenceClassification,
     ModernBertForTokenClassification,
 )
+from bertpipe.finetuning.initialisation import load_task_model
 from bertpipe.finetuning.run import run_finetuning
-from bertpipe.training.models.bert.hf import load_hf_folder, save_hf_folder
+from bertpipe.training.models.hf import load_hf_folder, save_hf_folder
 from tests.conftest import sqlite_uri
 from tests.finetuning.test_loop import _cfg
 

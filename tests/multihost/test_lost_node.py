@@ -150,8 +150,8 @@ def _export_logits(folder: Path, out: Path):  # type: ignore[no-untyped-def]
     import torch
 
     from bertpipe.training.export import export_checkpoint
-    from bertpipe.training.models.bert.hf import load_hf_folder, load_into
     from bertpipe.training.models.bert.model import BertForPreTraining
+    from bertpipe.training.models.hf import load_hf_folder, load_into
 
     export_checkpoint(str(folder), str(out), track=False)
     model_cfg, weights = load_hf_folder(out)

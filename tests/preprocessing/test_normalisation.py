@@ -232,8 +232,8 @@ def transformers_ids(
 def _model_config(folder: Path, family: str, vocab_size: int) -> Path:
     """The config.json ``bertpipe export`` writes for a tiny model of ``family``: its model
     type picks the tokenizer class transformers builds (weights play no part in tokenizing)."""
-    from bertpipe.training.models.bert.hf import hf_config_dict
     from bertpipe.training.models.families import preset_config
+    from bertpipe.training.models.hf import hf_config_dict
 
     architecture = "ModernBertForMaskedLM" if family == "modernbert" else "BertForPreTraining"
     config = hf_config_dict(preset_config(family, "tiny", vocab_size), architecture)

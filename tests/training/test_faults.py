@@ -64,8 +64,8 @@ def test_nonfinite_step_leaves_weights_optimizer_and_lr_untouched(
     it (fp32 too: its gradient-norm check); at ZeRO 0 the trainer's guard does. Either way the
     weights, the optimizer state and the LR are those of before, and ``skipped_steps`` is 1."""
     from bertpipe.training.core.engine import build_engine, init_distributed
-    from bertpipe.training.core.step import BatchPrep
     from bertpipe.training.models.bert.model import BertForPreTraining
+    from bertpipe.training.pretrain.batches import BatchPrep
     from bertpipe.training.pretrain.data.loader import PretrainingData
     from bertpipe.training.pretrain.data.manifest import read_phase_data
     from bertpipe.training.pretrain.phases import model_config, phase_engine

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from bertpipe.training.models.bert.hf import (
+from bertpipe.training.models.bert.model import BertForPreTraining, BertModel, BertModelConfig
+from bertpipe.training.models.hf import (
     export_state_dict,
     hf_config_dict,
     load_hf_folder,
     load_into,
     save_hf_folder,
 )
-from bertpipe.training.models.bert.model import BertForPreTraining, BertModel, BertModelConfig
 
 VOCAB = 1003  # not a multiple of 8: the export must strip the padding
 

@@ -11,9 +11,9 @@ import torch
 
 from bertpipe.config import ConfigError
 from bertpipe.training.models.attention import Varlen
-from bertpipe.training.models.bert.hf import load_hf_folder, load_into, save_hf_folder
 from bertpipe.training.models.families import config_from_dict, pretraining_model
 from bertpipe.training.models.flops import training_flops
+from bertpipe.training.models.hf import load_hf_folder, load_into, save_hf_folder
 from bertpipe.training.models.modernbert.model import ModernBertForMaskedLM, ModernBertModelConfig
 
 transformers = pytest.importorskip("transformers")

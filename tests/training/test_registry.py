@@ -280,7 +280,7 @@ def test_export_and_finetune_log_and_register_models_that_load_without_bertpipe(
 
     # a question-answering head: its task where transformers has one, the QA class either way
     from bertpipe.finetuning.heads import BertForQuestionAnswering
-    from bertpipe.training.models.bert.hf import save_hf_folder
+    from bertpipe.training.models.hf import save_hf_folder
 
     qa_folder = tmp_path / "qa"
     extra = {n: (export / n).read_bytes() for n in ("vocab.txt", "tokenizer.json")}

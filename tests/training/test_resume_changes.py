@@ -123,7 +123,8 @@ def _continue_by_hand(cfg: Any, folder: Path, *, lr: float, weight_decay: float)
     """Steps 5-8 from ``global_step4``: engine, RNG and data position restored, then the new
     peak rate and weight decay written into the optimizer and schedule directly."""
     from bertpipe.training.core.engine import build_engine, init_distributed
-    from bertpipe.training.core.step import BatchPrep, OptimizerStep
+    from bertpipe.training.core.step import OptimizerStep
+    from bertpipe.training.pretrain.batches import BatchPrep
     from bertpipe.training.pretrain.trainer import Trainer
 
     trainer = Trainer(cfg, init_distributed())

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from bertpipe.app.bench.model import make_batch
-from bertpipe.training.core.step import BatchPrep
 from bertpipe.training.models.attention import Varlen, nested_attention, per_sequence_attention
 from bertpipe.training.models.bert.model import BertForPreTraining, BertModelConfig, compile_layers
 from bertpipe.training.models.flops import training_flops, training_flops_per_sequence
+from bertpipe.training.pretrain.batches import BatchPrep
 from bertpipe.training.pretrain.data.collate import unpad_batch
 
 VOCAB = 300

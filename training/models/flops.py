@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bertpipe.training.models.bert.config import BertModelConfig
+from bertpipe.training.models.families import family_of
 from bertpipe.training.models.modernbert.config import ModernBertModelConfig
 
 __all__ = ["PEAK_TFLOPS", "mfu", "peak_flops", "training_flops", "training_flops_per_sequence"]
@@ -85,23 +86,11 @@ def training_flops(
     """FLOPs of one training step of a batch whose sequences have ``lengths`` (S_i) and
     ``num_masked`` MLM positions in all: :func:`training_flops_per_sequence` summed over the
     sequences, so it counts what an unpadded encoder computes. Give the padded length for
-    every row to count what a padded encoder computes."""
-    H, I, L = cfg.hidden_size, cfg.ffn_size, cfg.num_layers  # noqa: E741
-    V = cfg.padded_vocab_size
+    every row to count what a padded encoder computes. The terms are the family's
+    (:mod:`bertpipe.training.models.bert.costs`,
+    :mod:`bertpipe.training.models.modernbert.costs`)."""
     S = np.asarray(lengths, dtype=np.float64)
-    tokens, squares = float(S.sum()), float((S * S).sum())
-    mlm = num_masked * (2 * H * H + 2 * H * V)
-    if isinstance(cfg, ModernBertModelConfig):
-        # GeGLU: Wi (H -> 2I) and Wo (I -> H); local layers score keys within the window only
-        n_global = sum(cfg.is_global(i) for i in range(L))
-        local = float((S * np.minimum(S, 2 * cfg.window + 1)).sum())
-        attention = 2 * 2 * H * (n_global * squares + (L - n_global) * local)
-        encoder = L * (4 * 2 * H * H + 3 * 2 * H * I) * tokens + attention
-        return float(3 * (encoder + mlm) + (encoder if activation_checkpointing else 0))
-    encoder = L * ((4 * 2 * H * H + 2 * 2 * H * I) * tokens + 2 * 2 * H * squares)
-    heads = S.size * (2 * H * H + 2 * H * 2) + mlm
-    forward = encoder + heads
-    return float(3 * forward + (encoder if activation_checkpointing else 0))
+    return float(family_of(cfg).costs.training_flops(cfg, S, num_masked, activation_checkpointing))
 
 
 def peak_flops(device_name: str, dtype: str) -> float | None:

@@ -8,14 +8,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from bertpipe.config import ConfigError
+from bertpipe.training.models.families import DEFAULT_FAMILY, FAMILIES, Family
 
-__all__ = ["MODERN_PRESET_NAMES", "PRESET_NAMES", "ModelSpec"]
-
-PRESET_NAMES = ("tiny", "mini", "small", "medium", "base", "large")
-MODERN_PRESET_NAMES = ("modernbert-base", "modernbert-large")
-# the fields only one family has, and their "not set" values
-_BERT_ONLY = {"pre_layer_norm": False, "position_embedding": "learned"}
-_MODERN_ONLY = ("local_attention", "global_attn_every_n_layers")
+__all__ = ["ModelSpec"]
 
 
 @dataclass
@@ -74,45 +69,54 @@ class ModelSpec:
     export. Null: BERT initialisation (normal, std 0.02)."""
 
     def __post_init__(self) -> None:
-        family = self.resolved_family
-        if family == "bert" and self.preset in MODERN_PRESET_NAMES:
-            raise ConfigError(
-                "preset", f"{self.preset} is a modernbert size: set family=modernbert or null"
-            )
-        if family == "modernbert":
-            for key, unset in _BERT_ONLY.items():
+        family = self.family_entry
+        for other in FAMILIES.values():
+            if other is family:
+                continue
+            if self.preset in other.own_presets:
+                raise ConfigError(
+                    "preset",
+                    f"{self.preset} is a {other.name} size: set family={other.name} or null",
+                )
+            for key, unset in other.own_settings.items():
                 if getattr(self, key) != unset:
-                    raise ConfigError(key, "is a bert setting: modernbert is pre-norm with RoPE")
-        else:
-            for key in _MODERN_ONLY:
-                if getattr(self, key) is not None:
-                    raise ConfigError(key, "is a modernbert setting: set family=modernbert")
+                    raise ConfigError(
+                        key,
+                        f"is a {other.name} setting, not {family.name}'s: set family={other.name}",
+                    )
 
     @property
     def resolved_family(self) -> str:
-        """The family, ``modernbert`` for its presets when not given."""
+        """The family: given, else the one whose own preset this is, else the default."""
         if self.family is not None:
             return self.family
-        return "modernbert" if self.preset in MODERN_PRESET_NAMES else "bert"
+        own = (f.name for f in FAMILIES.values() if self.preset in f.own_presets)
+        return next(own, DEFAULT_FAMILY)
+
+    @property
+    def family_entry(self) -> Family:
+        """The family's entry in the table (:data:`~bertpipe.training.models.families.FAMILIES`)."""
+        return FAMILIES[self.resolved_family]
 
     def overrides(self) -> dict[str, object]:
         """Fields to pass on top of the preset to the family's model config
         (``BertModelConfig`` or ``ModernBertModelConfig``)."""
+        family = self.family_entry
         out: dict[str, object] = {
             "max_position_embeddings": self.max_position_embeddings,
             "activation_checkpointing": self.activation_checkpointing,
         }
-        if self.resolved_family == "modernbert":
-            if self.hidden_dropout is not None:
-                out["embedding_dropout"] = out["mlp_dropout"] = self.hidden_dropout
-            keys: tuple[str, ...] = ("attention_dropout", *_MODERN_ONLY)
-        else:
-            out["pre_layer_norm"] = self.pre_layer_norm
-            out["position_embedding"] = self.position_embedding
-            keys = ("hidden_dropout", "attention_dropout")
-        keys += ("num_layers", "hidden_size", "num_heads", "intermediate_size")
-        for key in keys:
+        if self.hidden_dropout is not None:
+            out.update(dict.fromkeys(family.hidden_dropout_keys, self.hidden_dropout))
+        out.update({key: getattr(self, key) for key in family.own_settings})
+        for key in (
+            "attention_dropout",
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "intermediate_size",
+        ):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
-        return out
+        return {k: v for k, v in out.items() if v is not None}

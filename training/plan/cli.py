@@ -195,10 +195,11 @@ def _fit(cfg: PretrainConfig, options: PlanOptions, args: argparse.Namespace) ->
 
 def render_plan(plan: Plan) -> str:
     """The plan as a readable table, one column per phase."""
+    from bertpipe.training.models.families import FAMILIES
     from bertpipe.training.plan.memory import GIB
 
     m = plan.model
-    family = "ModernBERT" if m.family == "modernbert" else "BERT"
+    family = FAMILIES[m.family].title
     lines = ["bertpipe plan: nothing is started; every figure is an estimate (assumptions below)"]
     lines.append("")
     lines.append(

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from bertpipe.config import ConfigError
 from bertpipe.training.models.bert.config import BertModelConfig
-from bertpipe.training.models.modernbert.config import ModernBertModelConfig, is_modern
+from bertpipe.training.models.families import family_of
+from bertpipe.training.models.modernbert.config import ModernBertModelConfig
 
 __all__ = [
     "ALLREDUCE_BUCKET_ELEMENTS",
@@ -153,10 +154,9 @@ def activation_bytes(
     """
     e = element_bytes(precision)
     s, b = seq_len, micro_batch
-    h, inter, a = cfg.hidden_size, cfg.ffn_size, cfg.num_heads
-    layer = s * b * (e * (8 * h + 2 * inter) + 2 * h * mask_bytes)
-    if is_modern(cfg):  # no dropout by default; GeGLU keeps Wi's 2I output, GELU's and the product
-        layer = s * b * e * (10 * h + 4 * inter)
+    h, a = cfg.hidden_size, cfg.num_heads
+    costs = family_of(cfg).costs
+    layer = costs.layer_activation_bytes(cfg, s, b, e, mask_bytes)
     if attention_scores_stored:
         layer += a * s * s * b * (2 * e + mask_bytes)
     # checkpointing: the layer inputs stay, one layer's activations exist while it is redone
@@ -164,7 +164,7 @@ def activation_bytes(
     encoder += layer if checkpointing else 0
     embeddings = s * b * (e * h + h * mask_bytes)
     n = b * num_masked
-    head = n * (4 * e * h + cfg.padded_vocab_size * (e + 8)) + b * 3 * e * h * (not is_modern(cfg))
+    head = costs.head_activation_bytes(cfg, b, n, e)
     return ActivationBytes(
         per_layer=layer,
         encoder=encoder,

@@ -401,17 +401,12 @@ def _assumptions(cfg: PretrainConfig, options: PlanOptions, timed: bool) -> list
         f"(optimizer: {'fp32 master + ' if master else ''}2 moments) bytes/parameter, ZeRO "
         "stage 1 partitions optimizer states, 2 + gradients, 3 + weights over N GPUs; "
         "offload moves optimizer states to host memory",
-        (
-            f"activations per layer s*b*e*(10h+4I) bytes (ModernBERT: no dropout, GeGLU), e={e}"
-            if getattr(cfg.model, "resolved_family", "bert") == "modernbert"
-            else f"activations per layer s*b*(e*(8h+2I)+2h) bytes, e={e} (Korthikanti et al. "
-            "2022: 34*s*b*h for I=4h at 16 bit)"
-        )
+        cfg.model.family_entry.costs.ACTIVATIONS.format(e=e)
         + (
             f" + a*s^2*b*(2e+m) for stored attention scores, m={options.mask_bytes(cfg.precision)}"
             " byte(s) per dropout mask element"
             + (" (--cpu: torch's CPU attention with dropout)" if options.cpu else "")
-            if options.stores_scores(0.1 if cfg.model.resolved_family == "bert" else 0.0)
+            if options.stores_scores(cfg.model.family_entry.attention_dropout)
             else "; no s^2 term: SDPA stores no attention scores"
         )
         + "; with activation checkpointing L*e*s*b*h + one layer; MLM head "

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bertpipe.training.core.step import BatchStats, StepResult
+from bertpipe.training.core.step import StepResult
+from bertpipe.training.pretrain.batches import BatchStats
 
 __all__ = ["Window", "loss_scale", "memory_metrics"]
 

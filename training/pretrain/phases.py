@@ -20,8 +20,7 @@ from typing import Any
 from bertpipe.config import ConfigError
 from bertpipe.training.core.engine import EngineSpec, engine_spec
 from bertpipe.training.core.schedules import warmup_decay, warmup_stable_decay
-from bertpipe.training.models.families import ModelConfig, preset_config
-from bertpipe.training.models.modernbert.config import ModernBertModelConfig
+from bertpipe.training.models.families import ModelConfig, family_of, preset_config
 from bertpipe.training.pretrain.config import PhaseSpec, PretrainConfig
 from bertpipe.training.pretrain.data.manifest import DataMismatchError, PhaseData
 
@@ -40,12 +39,12 @@ def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> ModelConfig:
                 "share one tokenizer"
             )
     if cfg.model.init_from:
-        from bertpipe.training.models.bert.hf import load_hf_folder
+        from bertpipe.training.models.hf import load_hf_folder
 
         model_cfg, _ = load_hf_folder(cfg.model.init_from)
         # the architecture is the checkpoint's; how it is trained is this config's
         model_cfg = dataclasses.replace(model_cfg, **_training_settings(cfg, model_cfg))
-        family = getattr(model_cfg, "family", "bert")
+        family = family_of(model_cfg).name
         if cfg.model.family is not None and cfg.model.family != family:
             raise ConfigError(
                 "model.family",
@@ -65,13 +64,15 @@ def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> ModelConfig:
             pad_token_id=int(first["special_token_ids"]["pad"]),
             **cfg.model.overrides(),
         )
+    family = family_of(model_cfg)
     for i, d in enumerate(data):
-        if isinstance(model_cfg, ModernBertModelConfig) and d.parsed.objective != "mlm":
+        if not family.nsp and d.parsed.objective != "mlm":
             log.warning(
-                "phases[%d].data %s holds mlm+nsp pairs; ModernBERT has no NSP head: they are "
+                "phases[%d].data %s holds mlm+nsp pairs; %s has no NSP head: they are "
                 "trained as masked LM only (objective mlm packs full sentences instead)",
                 i,
                 d.url,
+                family.title,
             )
         if d.max_seq_length > model_cfg.max_position_embeddings:
             raise ConfigError(
@@ -85,16 +86,15 @@ def model_config(cfg: PretrainConfig, data: list[PhaseData]) -> ModelConfig:
 
 def _training_settings(cfg: PretrainConfig, model_cfg: ModelConfig) -> dict[str, object]:
     """What this config sets of a checkpoint's architecture: dropout and recomputation."""
+    family = family_of(model_cfg)
     out: dict[str, object] = {"activation_checkpointing": cfg.model.activation_checkpointing}
     hidden, attention = cfg.model.hidden_dropout, cfg.model.attention_dropout
-    if isinstance(model_cfg, ModernBertModelConfig):
-        if hidden is not None:
-            out["embedding_dropout"] = out["mlp_dropout"] = hidden
-        if attention is not None:
-            out["attention_dropout"] = attention
-        return out
-    out["hidden_dropout"] = 0.1 if hidden is None else hidden
-    out["attention_dropout"] = 0.1 if attention is None else attention
+    hidden = family.default_dropout if hidden is None else hidden
+    attention = family.default_dropout if attention is None else attention
+    if hidden is not None:
+        out.update(dict.fromkeys(family.hidden_dropout_keys, hidden))
+    if attention is not None:
+        out["attention_dropout"] = attention
     return out
 
 

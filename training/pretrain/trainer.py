@@ -46,10 +46,11 @@ from bertpipe.training.core.loop import run_loop
 from bertpipe.training.core.optim import client_optimizer
 from bertpipe.training.core.peers import watched
 from bertpipe.training.core.resume import PRETRAIN_FIXED, mlflow_tags
-from bertpipe.training.core.step import BatchPrep, StepResult
+from bertpipe.training.core.step import StepResult
 from bertpipe.training.models.bert.model import compile_layers
 from bertpipe.training.models.families import pretraining_model
 from bertpipe.training.models.flops import mfu, peak_flops
+from bertpipe.training.pretrain.batches import BatchPrep
 from bertpipe.training.pretrain.config import PretrainConfig
 from bertpipe.training.pretrain.data.loader import build_pretraining_data
 from bertpipe.training.pretrain.data.manifest import DataError, PhaseData, read_phase_data
@@ -118,7 +119,7 @@ class Trainer:
         torch.manual_seed(self.cfg.seed)  # the same initial weights on every rank
         model = pretraining_model(self.model_cfg)
         if self.cfg.model.init_from:
-            from bertpipe.training.models.bert.hf import load_hf_folder, load_into
+            from bertpipe.training.models.hf import load_hf_folder, load_into
 
             _, weights = load_hf_folder(self.cfg.model.init_from)
             load_into(model, weights, strict_heads=False)

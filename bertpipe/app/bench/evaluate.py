@@ -45,8 +45,8 @@ def _model(folder: Path, preset: str, max_positions: int) -> None:
 
     from bertpipe.finetuning.evaluation.sample_glue import WORDS
     from bertpipe.preprocessing.tokenizer import build_from_vocab, save_tokenizer
-    from bertpipe.training.models.bert.hf import save_hf_folder
     from bertpipe.training.models.bert.model import BertForPreTraining, BertModelConfig
+    from bertpipe.training.models.hf import save_hf_folder
 
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = build_from_vocab(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])

@@ -175,8 +175,9 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
     from bertpipe.app.bench.train import _peak_memory_gb
     from bertpipe.config import load_config
     from bertpipe.training.core.engine import build_engine, init_distributed
-    from bertpipe.training.core.step import BatchPrep, OptimizerStep
+    from bertpipe.training.core.step import OptimizerStep
     from bertpipe.training.models.families import pretraining_model
+    from bertpipe.training.pretrain.batches import BatchPrep
     from bertpipe.training.pretrain.config import PretrainConfig
     from bertpipe.training.pretrain.phases import phase_engine
 
@@ -189,7 +190,7 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
     model = pretraining_model(model_cfg)  # the config's family (BERT: MLM + NSP heads)
     spec = phase_engine(cfg, cfg.phases[0], info.world_size)
     engine, _ = build_engine(model, spec)
-    nsp = cfg.model.resolved_family == "bert"
+    nsp = cfg.model.family_entry.nsp
     prep = BatchPrep(model_cfg, info.device, unpad=cfg.model.unpad, nsp=nsp)
     host = _synthetic_batches(
         model_cfg, job["micro_batch"], job["seq_len"], job["num_masked"], job["seed"] + rank

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bertpipe.training.models.bert.hf import TIED_KEYS, export_state_dict, hf_config_dict
 from bertpipe.training.models.bert.model import BertForPreTraining, BertModelConfig
+from bertpipe.training.models.hf import TIED_KEYS, export_state_dict, hf_config_dict
 
 log = logging.getLogger(__name__)
 

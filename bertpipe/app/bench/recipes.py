@@ -342,8 +342,8 @@ def _heldout_accuracy(checkpoints: Path, phase: Path) -> float:
     loader's dynamic masks with a fixed seed: the same masked positions for every model)."""
     import torch
 
-    from bertpipe.training.core.step import BatchPrep
     from bertpipe.training.export import load_checkpoint_model
+    from bertpipe.training.pretrain.batches import BatchPrep
     from bertpipe.training.pretrain.config import DataConfig, EvalConfig, PhaseSpec
     from bertpipe.training.pretrain.data.loader import build_pretraining_data
 

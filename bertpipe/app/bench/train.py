@@ -200,8 +200,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         cfg = _config(args, data, total, precision)
         workers = args.workers if args.workers is not None else (2 if device_type == "cuda" else 0)
         cfg.data.num_workers = workers
-        if args.model == "hf" and cfg.model.resolved_family != "bert":
-            raise SystemExit("--model hf compares with transformers' BERT: use --family bert")
         run = _run_ours if args.model == "bertpipe" else _run_hf
         result = run(args, cfg, device_type)
     name = args.name or (
@@ -274,7 +272,8 @@ def _run_ours(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str,
     import torch
 
     from bertpipe.training.core.engine import build_engine, init_distributed
-    from bertpipe.training.core.step import BatchPrep, OptimizerStep
+    from bertpipe.training.core.step import OptimizerStep
+    from bertpipe.training.pretrain.batches import BatchPrep
     from bertpipe.training.pretrain.trainer import Trainer
 
     info = init_distributed()
@@ -355,26 +354,30 @@ def _timed(
 
 
 def _run_hf(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, Any]:
-    """transformers' BertForPreTraining, the same batches, a plain torch loop."""
+    """transformers' model of the family (``BertForPreTraining``, ``ModernBertForMaskedLM``),
+    the same batches, a plain torch loop."""
     import torch
-    from transformers import BertConfig, BertForPreTraining
+    import transformers
 
-    from bertpipe.training.core.step import BatchPrep
-    from bertpipe.training.models.bert.hf import hf_config_dict
     from bertpipe.training.models.flops import peak_flops
+    from bertpipe.training.models.hf import hf_config_dict
+    from bertpipe.training.pretrain.batches import BatchPrep
     from bertpipe.training.pretrain.data.manifest import read_phase_data
     from bertpipe.training.pretrain.phases import model_config
 
     device = torch.device(device_type)
     phase_data = read_phase_data(cfg.phases[0], "phases[0]")
     model_cfg = model_config(cfg, [phase_data])
-    hf_cfg = BertConfig(**hf_config_dict(model_cfg), attn_implementation="sdpa")
+    family = cfg.model.family_entry
+    settings = hf_config_dict(model_cfg)
+    hf_cfg = transformers.AutoConfig.for_model(settings.pop("model_type"), **settings)
+    hf_cfg._attn_implementation = "sdpa"
     torch.manual_seed(cfg.seed)
-    model = BertForPreTraining(hf_cfg).to(device).train()
+    model = getattr(transformers, family.reference_model)(hf_cfg).to(device).train()
     fused = device.type == "cuda"
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
     autocast = cfg.precision == "bf16"
-    prep = BatchPrep(model_cfg, device, unpad=False)
+    prep = BatchPrep(model_cfg, device, unpad=False, nsp=family.nsp)
     batches = _loader(cfg, manifest=phase_data.parsed)
     losses: list[torch.Tensor] = []
 
@@ -385,14 +388,12 @@ def _run_hf(args: argparse.Namespace, cfg: Any, device_type: str) -> dict[str, A
         B, S = batch["input_ids"].shape
         labels = torch.full((B * S,), -100, dtype=torch.long, device=device)
         labels[batch["mlm_positions"]] = batch["mlm_labels"]
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        if family.nsp:
+            inputs["token_type_ids"] = batch["token_type_ids"]
+            inputs["next_sentence_label"] = batch["nsp_labels"]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = model(
-                input_ids=batch["input_ids"],
-                token_type_ids=batch["token_type_ids"],
-                attention_mask=batch["attention_mask"],
-                labels=labels.view(B, S),
-                next_sentence_label=batch["nsp_labels"],
-            )
+            out = model(**inputs, labels=labels.view(B, S))
         timer.mark("forward")
         out.loss.backward()
         timer.mark("backward")

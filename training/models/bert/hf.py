@@ -1,58 +1,17 @@
-"""Export to and import from transformers' BERT folder format, without importing transformers.
-
-A folder holds ``config.json`` (a ``BertConfig``) and ``model.safetensors`` (or, for older
-checkpoints, ``pytorch_model.bin``). Parameter names are the same on both sides (see
-:mod:`bertpipe.training.models.bert.model`); what changes on the way is:
-
-* the vocabulary padding: stripped on export, re-added (zero rows) on import;
-* the tied decoder (``cls.predictions.decoder.{weight,bias}``): not written, as transformers
-  does not write it either and re-ties it on load; ignored on import;
-* old checkpoint names: ``LayerNorm.gamma/beta`` become ``weight/bias``, and keys of a bare
-  ``BertModel`` checkpoint (``embeddings.*``, ``encoder.*``, ``pooler.*``) get the ``bert.``
-  prefix.
-
-ModernBERT folders (``model_type: modernbert``, :mod:`bertpipe.training.models.modernbert.hf`) go
-through the same functions: their names are transformers' too (``model.``-prefixed encoder,
-``head.*``, ``decoder.bias``; the decoder weight is tied to ``model.embeddings.tok_embeddings``).
-
-Paths are plain local paths; callers copy from or to remote storage themselves.
-"""
+"""transformers' BERT ``config.json`` to and from :class:`BertModelConfig` (the folders
+themselves are read and written by :mod:`bertpipe.training.models.hf`, for every family)."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from bertpipe.training.models.bert.model import BertModelConfig
-from bertpipe.training.models.modernbert.config import ModernBertModelConfig, is_modern
+from bertpipe.training.models.bert.config import BertModelConfig
 
-ModelConfig = BertModelConfig | ModernBertModelConfig
+__all__ = ["ARCHITECTURES", "check_exportable", "config_from_hf", "hf_config_dict", "token_config"]
 
-log = logging.getLogger(__name__)
-
-__all__ = [
-    "LoadReport",
-    "export_state_dict",
-    "hf_config_dict",
-    "load_hf_folder",
-    "load_into",
-    "save_hf_folder",
-]
-
-CONFIG_NAME = "config.json"
-SAFETENSORS_NAME = "model.safetensors"
-SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
-TORCH_BIN_NAME = "pytorch_model.bin"
-# aliases of bert.embeddings.word_embeddings.weight and cls.predictions.bias
-TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "decoder.weight")
 ARCHITECTURES = (
     "BertForPreTraining",
     "BertModel",
@@ -62,10 +21,8 @@ ARCHITECTURES = (
 )
 
 
-def check_exportable(cfg: ModelConfig) -> None:
+def check_exportable(cfg: BertModelConfig) -> None:
     """Raise ValueError if transformers' BertModel has no equivalent of ``cfg``."""
-    if isinstance(cfg, ModernBertModelConfig):
-        return
     if cfg.pre_layer_norm:
         raise ValueError(
             "cannot export a pre-LayerNorm model to transformers' BERT format: BertModel is "
@@ -79,17 +36,12 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 
 def hf_config_dict(
-    cfg: ModelConfig,
+    cfg: BertModelConfig,
     architecture: str = "BertForPreTraining",
     num_labels: int | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, Any]:
-    """A transformers ``BertConfig`` (or ``ModernBertConfig``) as written to config.json
-    (vocab_size is the real size)."""
-    if isinstance(cfg, ModernBertModelConfig):
-        from bertpipe.training.models.modernbert import hf as modern_hf
-
-        return modern_hf.hf_config_dict(cfg, architecture, num_labels, dtype)
+    """A transformers ``BertConfig`` as written to config.json (vocab_size is the real size)."""
     check_exportable(cfg)
     if architecture not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {architecture!r}; known: {ARCHITECTURES}")
@@ -121,14 +73,8 @@ def hf_config_dict(
     return out
 
 
-def config_from_hf(data: Mapping[str, Any], pad_vocab_multiple: int = 8) -> ModelConfig:
-    """The model config of a transformers BERT (or ModernBERT) config.json mapping."""
-    if data.get("model_type") == "modernbert":
-        from bertpipe.training.models.modernbert import hf as modern_hf
-
-        return modern_hf.config_from_hf(data, pad_vocab_multiple)
-    if data.get("model_type", "bert") != "bert":
-        raise ValueError(f"not a BERT checkpoint: model_type={data.get('model_type')!r}")
+def config_from_hf(data: Mapping[str, Any], pad_vocab_multiple: int = 8) -> BertModelConfig:
+    """The model config of a transformers BERT config.json mapping."""
     if data.get("hidden_act", "gelu") != "gelu":
         raise ValueError(f"hidden_act={data['hidden_act']!r} is not supported (exact gelu only)")
     if data.get("position_embedding_type", "absolute") != "absolute":
@@ -152,180 +98,7 @@ def config_from_hf(data: Mapping[str, Any], pad_vocab_multiple: int = 8) -> Mode
     )
 
 
-def export_state_dict(model: nn.Module) -> dict[str, Tensor]:
-    """Transformers-named CPU tensors of ``model`` (any model with a ``config`` attribute
-    holding a :class:`BertModelConfig`): vocab padding stripped, tied aliases dropped, each
-    tensor a contiguous copy (so safetensors accepts them and later training cannot alter them).
-    """
-    cfg: ModelConfig = model.config  # type: ignore[assignment]
-    check_exportable(cfg)
-    out: dict[str, Tensor] = {}
-    for key, value in model.state_dict().items():
-        if key in TIED_KEYS:
-            continue
-        if _is_vocab_key(key):
-            value = value[: cfg.vocab_size]
-        out[key] = value.detach().to(device="cpu", copy=True).contiguous()
-    return out
-
-
-def save_hf_folder(
-    model: nn.Module,
-    out_dir: str | os.PathLike[str],
-    extra_files: Mapping[str, bytes] | None = None,
-    token_ids: Mapping[str, int] | None = None,
-) -> Path:
-    """Write config.json, model.safetensors and ``extra_files`` (name -> bytes, e.g. vocab.txt,
-    tokenizer.json) into ``out_dir``; returns the folder. ``token_ids``: the tokenizer's
-    ``cls``/``sep``/``pad``/``mask`` ids, written into a ModernBERT config.json (whose
-    defaults are ModernBERT's own vocabulary's)."""
-    from safetensors.torch import save_file
-
-    architecture = type(model).__name__
-    state = export_state_dict(model)
-    dtype = next(iter(state.values())).dtype
-    config = hf_config_dict(
-        model.config,  # type: ignore[arg-type]
-        architecture,
-        getattr(model, "num_labels", None),
-        dtype,
-    )
-    if token_ids and is_modern(model.config):
-        config.update({f"{k}_token_id": v for k, v in token_ids.items() if k != "mask"})
-        for kind, special in (("bos", "cls"), ("eos", "sep")):
-            if special in token_ids:
-                config[f"{kind}_token_id"] = token_ids[special]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for name in extra_files or {}:
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise ValueError(f"extra file name {name!r} must be relative and stay in the folder")
-        if name in (CONFIG_NAME, SAFETENSORS_NAME):
-            raise ValueError(f"extra file {name!r} would overwrite the model's own file")
-    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(state, str(out / SAFETENSORS_NAME), metadata={"format": "pt"})
-    for name, data in (extra_files or {}).items():
-        (out / name).parent.mkdir(parents=True, exist_ok=True)
-        (out / name).write_bytes(data)
-    log.info("saved %s (%d tensors) to %s", architecture, len(state), out)
-    return out
-
-
-def load_hf_folder(
-    path: str | os.PathLike[str], pad_vocab_multiple: int = 8
-) -> tuple[ModelConfig, dict[str, Tensor]]:
-    """Read a transformers BERT (or ModernBERT) folder: its config and its weights with
-    canonical names (``bert.``/``model.``-prefixed, ``LayerNorm.weight/bias``), vocabulary not
-    yet padded."""
-    folder = Path(path)
-    config = config_from_hf(json.loads((folder / CONFIG_NAME).read_text()), pad_vocab_multiple)
-    if (folder / SAFETENSORS_NAME).exists():
-        from safetensors.torch import load_file
-
-        raw = load_file(str(folder / SAFETENSORS_NAME))
-    elif (folder / SAFETENSORS_INDEX_NAME).exists():
-        from safetensors.torch import load_file
-
-        index = json.loads((folder / SAFETENSORS_INDEX_NAME).read_text())
-        raw = {}
-        for shard in sorted(set(index["weight_map"].values())):
-            raw.update(load_file(str(folder / shard)))
-    elif (folder / TORCH_BIN_NAME).exists():
-        raw = torch.load(folder / TORCH_BIN_NAME, map_location="cpu", weights_only=True)
-    else:
-        raise FileNotFoundError(
-            f"{folder} has no {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {TORCH_BIN_NAME}"
-        )
-    return config, canonical_names(raw)
-
-
-# per family: the encoder's prefix in a model with heads, and its core (never optional) parts
-_PREFIX = {
-    "bert": ("bert.", ("embeddings", "encoder")),
-    "modernbert": ("model.", ("embeddings", "layers", "final_norm")),
-}
-_BARE = {
-    "embeddings": "bert.",
-    "encoder": "bert.",
-    "pooler": "bert.",
-    "layers": "model.",
-    "final_norm": "model.",
-}
-
-
-def canonical_names(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Map older transformers names to current ones (``gamma``/``beta``) and a bare encoder's
-    names to those of a model with heads (``bert.``; ``model.`` for ModernBERT)."""
-    modern = any(k.split(".", 1)[0] in ("layers", "final_norm", "model") for k in state_dict)
-    out: dict[str, Tensor] = {}
-    for key, value in state_dict.items():
-        name = key.replace("LayerNorm.gamma", "LayerNorm.weight")
-        name = name.replace("LayerNorm.beta", "LayerNorm.bias")
-        first = name.split(".", 1)[0]
-        if first in _BARE:
-            name = ("model." if modern else _BARE[first]) + name
-        out[name] = value
-    return out
-
-
-@dataclasses.dataclass
-class LoadReport:
-    """What :func:`load_into` could not match."""
-
-    missing: list[str]
-    """Keys of the model that the state dict did not provide (kept at their init)."""
-    unexpected: list[str]
-    """Keys of the state dict that the model has no place for (ignored)."""
-
-
-def load_into(
-    model: nn.Module, state_dict: Mapping[str, Tensor], strict_heads: bool = True
-) -> LoadReport:
-    """Copy ``state_dict`` (transformers or our names, padded vocab or not) into ``model``.
-
-    Works for :class:`~bertpipe.training.models.bert.model.BertForPreTraining`, a bare ``BertModel``
-    and the fine-tuning heads. Missing embedding or encoder weights always raise; other missing keys
-    (pooler, MLM/NSP heads, task heads) raise only with ``strict_heads``, else they keep their
-    initialisation and are reported. Unexpected keys are reported and ignored."""
-    cfg: ModelConfig = model.config  # type: ignore[assignment]
-    prefix, core_parts = _PREFIX[getattr(cfg, "family", "bert")]
-    target = model.state_dict()
-    source = canonical_names(state_dict)
-    if "cls.predictions.bias" not in source and "cls.predictions.decoder.bias" in source:
-        source["cls.predictions.bias"] = source["cls.predictions.decoder.bias"]
-    bare = not any(k.startswith(prefix) for k in target)
-    mapped: dict[str, Tensor] = {}
-    unexpected: list[str] = []
-    for key, value in source.items():
-        if key in TIED_KEYS:
-            continue
-        name = key.removeprefix(prefix) if bare else key
-        if name not in target:
-            unexpected.append(key)
-            continue
-        want = target[name].shape
-        if _is_vocab_key(name) and value.shape[0] == cfg.vocab_size and want[0] > value.shape[0]:
-            padding = value.new_zeros((want[0] - value.shape[0], *value.shape[1:]))
-            value = torch.cat([value, padding])
-        if value.shape != want:
-            raise ValueError(
-                f"{key}: checkpoint shape {tuple(value.shape)} does not fit the model's "
-                f"{tuple(want)}; is the config (vocab_size, sizes) the checkpoint's?"
-            )
-        mapped[name] = value
-    missing = [k for k in target if k not in mapped and k not in TIED_KEYS]
-    core = [k for k in missing if k.removeprefix(prefix).split(".")[0] in core_parts]
-    if core or (missing and strict_heads):
-        raise ValueError(f"checkpoint lacks {len(missing)} weights of the model: {missing[:8]}")
-    model.load_state_dict(mapped, strict=False)
-    if missing:
-        log.warning("not in the checkpoint, left at their initialisation: %s", missing)
-    if unexpected:
-        log.info("checkpoint weights the model does not use: %s", unexpected)
-    return LoadReport(missing=missing, unexpected=unexpected)
-
-
-def _is_vocab_key(key: str) -> bool:
-    return key.endswith(
-        ("word_embeddings.weight", "predictions.bias", "tok_embeddings.weight")
-    ) or (key == "decoder.bias")
+def token_config(token_ids: Mapping[str, int]) -> dict[str, int]:
+    """What config.json says of the tokenizer's special tokens: nothing (BERT's config has no
+    such fields; the tokenizer files carry them)."""
+    return {}

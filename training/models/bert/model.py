@@ -37,8 +37,15 @@ __all__ = [
     "PreTrainingOutput",
     "Varlen",
     "compile_layers",
+    "init_task_layer",
     "init_weights",
+    "task_dropout",
+    "task_encoder",
+    "task_features",
 ]
+
+QA_LAYER = "qa_outputs"
+"""The name of a span-QA model's output layer (transformers' ``BertForQuestionAnswering``)."""
 
 IGNORE_INDEX = -100
 
@@ -486,3 +493,38 @@ def compile_layers(model: nn.Module, **options: Any) -> int:
             module.compile(**options)
             count += 1
     return count
+
+
+# --- what a fine-tuning task model of this family holds before its task layer
+
+
+def task_encoder(cfg: BertModelConfig, pooled: bool) -> dict[str, nn.Module]:
+    """The encoder of a task model, named as transformers names it: ``bert`` (with the pooler
+    for sequence tasks, whose features are the pooled ``[CLS]`` state)."""
+    return {"bert": BertModel(cfg, add_pooling_layer=pooled)}
+
+
+def task_features(
+    model: nn.Module,
+    input_ids: Tensor,
+    token_type_ids: Tensor | None,
+    attention_mask: Tensor | None,
+    pooled: bool,
+) -> Tensor:
+    """[B, H] (the pooled ``[CLS]`` state) or [B, S, H] (every token's)."""
+    out = model.bert(input_ids, token_type_ids, attention_mask)
+    return out.pooled_output if pooled else out.sequence_output
+
+
+def task_dropout(cfg: BertModelConfig, span_qa: bool, given: float | None) -> float:
+    """Dropout before the task layer: ``given``, else the encoder's hidden dropout; none
+    before span QA's output layer (transformers' ``BertForQuestionAnswering`` has none)."""
+    if span_qa:
+        return 0.0
+    return cfg.hidden_dropout if given is None else given
+
+
+def init_task_layer(model: nn.Module, layer: nn.Linear, cfg: BertModelConfig) -> None:
+    """BERT's init of a new task layer: N(0, initializer_range), zero bias (the encoder is
+    initialised when built, and usually loaded from a checkpoint after)."""
+    layer.apply(functools.partial(init_weights, std=cfg.initializer_range))

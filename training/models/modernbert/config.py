@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from bertpipe.config import ConfigError
 
-__all__ = ["MODERN_PRESETS", "ModernBertModelConfig", "is_modern"]
+__all__ = ["MODERN_PRESETS", "ModernBertModelConfig"]
 
 # layers, hidden, heads, GLU width: the released ModernBERT-base / -large configs; the small
 # sizes are Google's BERT shapes with ModernBERT's GLU ratio (1.5 x hidden), for tests and demos
@@ -41,11 +41,6 @@ SMALL_SIZES: Mapping[str, Mapping[str, int]] = {
     "base": {"num_layers": 12, "hidden_size": 768, "num_heads": 12},
     "large": {"num_layers": 24, "hidden_size": 1024, "num_heads": 16},
 }
-
-
-def is_modern(cfg: Any) -> bool:
-    """Whether a model config (either family) is ModernBERT's."""
-    return getattr(cfg, "family", "bert") == "modernbert"
 
 
 @dataclasses.dataclass
@@ -104,8 +99,6 @@ class ModernBertModelConfig:
                 raise ConfigError(name, f"must be in [0, 1), got {getattr(self, name)}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise ConfigError("pad_token_id", f"must be in [0, vocab_size={self.vocab_size})")
-        if self.family != "modernbert":
-            raise ConfigError("family", "must be 'modernbert'")
 
     @classmethod
     def preset(cls, name: str, vocab_size: int, **overrides: Any) -> ModernBertModelConfig:

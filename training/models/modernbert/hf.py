@@ -1,7 +1,7 @@
 """transformers' ModernBERT config.json to and from :class:`ModernBertModelConfig`.
 
 Parameter names are transformers' own (:mod:`bertpipe.training.models.modernbert.model`), so the
-weights need no renaming; :mod:`bertpipe.training.models.bert.hf` reads and writes the folders of
+weights need no renaming; :mod:`bertpipe.training.models.hf` reads and writes the folders of
 both families. config.json is written in both of transformers' spellings of RoPE and the layer
 pattern (``global_rope_theta``/``local_rope_theta``/``global_attn_every_n_layers``, read by
 4.48-4.x, and ``rope_parameters``/``layer_types``, read by 5.x), so either major version loads it;
@@ -16,7 +16,13 @@ import torch
 
 from bertpipe.training.models.modernbert.config import ModernBertModelConfig
 
-__all__ = ["ARCHITECTURES", "config_from_hf", "hf_config_dict"]
+__all__ = [
+    "ARCHITECTURES",
+    "check_exportable",
+    "config_from_hf",
+    "hf_config_dict",
+    "token_config",
+]
 
 ARCHITECTURES = (
     "ModernBertForMaskedLM",
@@ -143,3 +149,18 @@ def config_from_hf(data: Mapping[str, Any], pad_vocab_multiple: int = 8) -> Mode
         pad_token_id=0 if pad is None else int(pad),
         pad_vocab_multiple=pad_vocab_multiple,
     )
+
+
+def check_exportable(cfg: ModernBertModelConfig) -> None:
+    """Every ModernBERT config has a transformers equivalent: nothing to refuse."""
+
+
+def token_config(token_ids: Mapping[str, int]) -> dict[str, int]:
+    """The tokenizer's special token ids as ModernBERT's config.json holds them (its defaults
+    are ModernBERT's own vocabulary's): ``cls``/``sep``/``pad`` ids, and ``bos``/``eos`` as
+    the ``cls``/``sep`` ids."""
+    out = {f"{k}_token_id": v for k, v in token_ids.items() if k != "mask"}
+    for kind, special in (("bos", "cls"), ("eos", "sep")):
+        if special in token_ids:
+            out[f"{kind}_token_id"] = token_ids[special]
+    return out

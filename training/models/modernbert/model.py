@@ -39,7 +39,14 @@ __all__ = [
     "ModernBertModel",
     "ModernBertModelConfig",
     "init_modern_weights",
+    "init_task_layer",
+    "task_dropout",
+    "task_encoder",
+    "task_features",
 ]
+
+QA_LAYER = "classifier"
+"""The name of a span-QA model's output layer (the same ``classifier`` as the other tasks)."""
 
 
 def _layer_norm(cfg: ModernBertModelConfig) -> nn.LayerNorm:
@@ -296,3 +303,41 @@ class ModernBertForMaskedLM(nn.Module):
                 result.mlm_count = (labels != IGNORE_INDEX).sum()
             result.loss = result.mlm_loss
         return result
+
+
+# --- what a fine-tuning task model of this family holds before its task layer
+
+
+def task_encoder(cfg: ModernBertModelConfig, pooled: bool) -> dict[str, nn.Module]:
+    """The encoder of a task model and the prediction head before the task layer (which a
+    pre-trained MLM checkpoint provides, as transformers loads it), named as transformers
+    names them: ``model``, ``head``. Sequence tasks pool the ``[CLS]`` state (transformers'
+    default ``classifier_pooling``)."""
+    return {"model": ModernBertModel(cfg), "head": ModernBertPredictionHead(cfg)}
+
+
+def task_features(
+    model: nn.Module,
+    input_ids: Tensor,
+    token_type_ids: Tensor | None,
+    attention_mask: Tensor | None,
+    pooled: bool,
+) -> Tensor:
+    """[B, H] (the ``[CLS]`` state) or [B, S, H], through the prediction head; segment ids,
+    which this architecture has none of, are ignored."""
+    states = model.model(input_ids, attention_mask)
+    return model.head(states[:, 0] if pooled else states)
+
+
+def task_dropout(cfg: ModernBertModelConfig, span_qa: bool, given: float | None) -> float:
+    """Dropout before the task layer: ``given``, else none (transformers' default)."""
+    return 0.0 if given is None else given
+
+
+def init_task_layer(model: nn.Module, layer: nn.Linear, cfg: ModernBertModelConfig) -> None:
+    """transformers' init of the whole task model (:func:`init_modern_weights`), then its
+    "final_out" init of the task layer: std hidden^-1/2, truncated, zero bias."""
+    init_modern_weights(model, cfg)
+    std = cfg.hidden_size**-0.5
+    _trunc_normal(layer.weight, std, cfg.initializer_cutoff_factor)
+    nn.init.zeros_(layer.bias)
