@@ -8,6 +8,10 @@
 * Nothing outside the application layer imports it.
 * Stages import forwards only (docs: DESIGN "Imports follow the same direction"): preprocessing
   imports no other stage, training does not import finetuning.
+* Inside training, the components' rules: the shared core (``training.core``) imports no
+  pre-training module (``training.pretrain``) nor the planner; the models
+  (``training.models``) import no DeepSpeed and no other training component (they are plain
+  torch, usable without a process group).
 * No module imports another component's private name (``from bertpipe.training.pretrain.trainer
   import _Faults`` in finetuning), nor reads one off an imported module (``trainer._Faults``).
 """
@@ -189,7 +193,22 @@ def _violations(check: str) -> list[str]:
     return found
 
 
+# training's packages -> what they must not import (any depth, lazily included)
+TRAINING_RULES = {
+    "bertpipe.training.core": ("bertpipe.training.pretrain", "bertpipe.training.plan"),
+    "bertpipe.training.models": (
+        "deepspeed",
+        "bertpipe.training.core",
+        "bertpipe.training.pretrain",
+        "bertpipe.training.checkpoint",
+        "bertpipe.training.plan",
+    ),
+}
+
+
 def _forbidden(name: str, check: str) -> tuple[str, ...]:
+    if check == "training":
+        return next((rule for pkg, rule in TRAINING_RULES.items() if is_under(name, pkg)), ())
     if check == "core":
         is_core = component(name) == "bertpipe"
         return (*STAGES, APP) if is_core else ()
@@ -286,3 +305,27 @@ def test_stages_import_forwards_only() -> None:
 def test_no_private_names_across_components() -> None:
     found = _violations("private")
     assert not found, "private names used across components:\n" + "\n".join(found)
+
+
+def test_training_core_imports_no_stage_and_models_no_deepspeed() -> None:
+    found = _violations("training")
+    assert not found, "training's components import what their rules forbid:\n" + "\n".join(found)
+
+
+def test_the_training_rules_see_what_they_forbid() -> None:
+    """The rules catch the imports they exist for (tried by hand as well: an import of the
+    trainer added to core/engine.py, of deepspeed to models/bert/model.py; both failed)."""
+    engine = MODULES["bertpipe.training.core.engine"]
+    model = MODULES["bertpipe.training.models.bert.model"]
+    assert _forbidden(engine.name, "training") and _forbidden(model.name, "training")
+    bad_core = "def f():\n    from bertpipe.training.pretrain.trainer import run_pretraining\n"
+    bad_model = "import deepspeed\n"
+    for module, source in ((engine, bad_core), (model, bad_model)):
+        forbidden = _forbidden(module.name, "training")
+        hits = [
+            target
+            for imp in imports_of(source, module.package)
+            for target in imp.targets()
+            if any(is_under(target, f) for f in forbidden)
+        ]
+        assert hits, (module.name, source)

@@ -1,7 +1,11 @@
-"""``bertpipe bench ...``: benchmarks that print figures, the last line one JSON object.
+"""``bertpipe bench ...``: every benchmark, in one package; each prints figures, the last
+line one JSON object.
 
-Speed and memory targets are checked here, not in timed unit tests. Each benchmark lives
-beside the code it measures; this module only wires them to the command line.
+Speed and memory targets are checked here, not in timed unit tests. One module per
+benchmark (``preprocess`` and ``preprocess_scale``, ``sentences``, ``model``, ``loader``,
+``train``, ``memory`` with ``memory_tally``, ``evaluate``, ``recipes``), each with
+``add_arguments(parser)`` and ``run_bench(args) -> dict``; :data:`BENCHMARKS` names them for
+the command line (a module is imported only when its benchmark runs).
 """
 
 from __future__ import annotations
