@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from bertpipe.config import ConfigError
 from bertpipe.finetuning.config import TaskConfig
 from bertpipe.finetuning.metrics import compute_task_metrics
-from bertpipe.finetuning.tasks import conll, glue, glue_tasks, klue, squad
+from bertpipe.finetuning.tasks import conll, glue, glue_tasks, klue, squad, squad_scores
 from bertpipe.finetuning.tasks.base import (
     Features,
     ReadReport,
@@ -350,11 +350,11 @@ def score(
             version_2=data.version_2,
             null_score_diff_threshold=cfg.null_score_diff_threshold,
         )
-        gold = squad.gold_answers(dev.examples)
+        gold = squad_scores.gold_answers(dev.examples)
         if data.family == "klue":
             metrics = klue.klue_mrc_metrics(answers, gold)
         else:
-            metrics = squad.squad_metrics(answers, gold, language=cfg.language)
+            metrics = squad_scores.squad_metrics(answers, gold, language=cfg.language)
         return metrics, {"answers": answers, "nbest": nbest, "null_odds": null_odds}
     if data.family == "klue":
         chars = klue.align_klue_ner(dev.features, outputs["logits"], dev.examples, spec)

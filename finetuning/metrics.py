@@ -155,7 +155,7 @@ def compute_task_metrics(spec: TaskSpec, predictions: Any, labels: Any) -> dict[
     ``predictions``/``labels`` by kind: classification, class ids [N] or logits [N, C] vs
     ids [N]; regression, scores [N] or [N, 1] vs [N]; token_labels, word-level label
     sequences (from ``conll.align_predictions``) vs gold sequences; span_qa, qid -> answer
-    text vs qid -> gold texts (``squad.gold_answers``).
+    text vs qid -> gold texts (``squad_scores.gold_answers``).
     """
     if spec.kind == "token_labels":
         return entity_scores(labels, predictions)

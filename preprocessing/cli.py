@@ -48,7 +48,7 @@ def _tokenizer_train(args: argparse.Namespace, passthrough: list[str]) -> int:
         reads.append(("vocab_file", cfg.vocab_file))
     preflight(reads, [("output", cfg.output)])
     tracking.check_new_run(cfg.tracking)  # before Beam is imported
-    from bertpipe.preprocessing.run import train_tokenizer
+    from bertpipe.preprocessing.vocab import train_tokenizer
 
     summary = train_tokenizer(cfg)
     write_resolved_config(cfg, cfg.output)

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from bertpipe.config import ConfigError
-from bertpipe.preprocessing.quality import QualityConfig
+from bertpipe.preprocessing.quality_config import QualityConfig
 from bertpipe.preprocessing.readers import InputConfig
 from bertpipe.tracking import TrackingConfig
 
 if TYPE_CHECKING:
-    from bertpipe.preprocessing.tokenizer import Normalisation
+    from bertpipe.preprocessing.normalisation import Normalisation
 
 __all__ = ["MaskingConfig", "PhaseConfig", "PreprocessConfig", "TokenizerConfig"]
 
@@ -67,7 +67,7 @@ class TokenizerConfig:
 
     def normalisation(self) -> Normalisation:
         """The tokenizer's text normalisation these settings give."""
-        from bertpipe.preprocessing.tokenizer import Normalisation
+        from bertpipe.preprocessing.normalisation import Normalisation
 
         return Normalisation(
             lowercase=self.lowercase,

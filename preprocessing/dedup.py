@@ -33,14 +33,8 @@ import apache_beam as beam
 import numpy as np
 
 from bertpipe import fsio
-from bertpipe.preprocessing.quality import (
-    DedupConfig,
-    DocQuality,
-    EvalIndex,
-    QualityConfig,
-    Verdict,
-    band_keys,
-)
+from bertpipe.preprocessing.quality import DocQuality, EvalIndex, Verdict, band_keys
+from bertpipe.preprocessing.quality_config import DedupConfig, QualityConfig
 from bertpipe.seeding import stable_hash
 
 __all__ = [

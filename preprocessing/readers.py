@@ -35,7 +35,7 @@ import lzma
 import posixpath
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
@@ -43,7 +43,7 @@ import fsspec.spec
 
 from bertpipe import fsio
 from bertpipe.config import ConfigError
-from bertpipe.errors import TransientError
+from bertpipe.errors import BertpipeError, TransientError
 from bertpipe.preprocessing.sentences import (
     check_language,
     is_english,
@@ -520,3 +520,32 @@ def _text_doc(
         yield Document(f"{name}:0", sentences)
     else:
         counts["documents_empty"] += 1
+
+
+class NoTrainingDataError(BertpipeError):
+    """The inputs gave a phase no training instance (every file or document was skipped)."""
+
+
+def check_input_format(files: Sequence[str], cfg: InputConfig) -> None:
+    """One line (exit 2) before anything is read when no input file has an extension that
+    ``input.format`` reads: every file would be skipped, and the run would learn or make
+    nothing."""
+    if not files:
+        return
+    found = Counter(split_extension(url)[0] for url in files)
+    readable = EXTENSIONS[cfg.format]
+    if any(ext in readable for ext in found):
+        return
+    fits = sorted({fmt for fmt, known in EXTENSIONS.items() for ext in found if ext in known})
+    fix = (
+        "set " + " or ".join(f"input.format={fmt}" for fmt in fits)
+        if fits
+        else f"give files ending in {', '.join(readable)} (compressed or not)"
+    )
+    kinds = ", ".join(f"{n} {ext or '(no extension)'}" for ext, n in sorted(found.items()))
+    raise ConfigError(
+        "input.format",
+        f"is {cfg.format}, which reads {', '.join(readable)} files, and none of the "
+        f"{len(files)} file(s) matching input.paths={list(cfg.paths)} is one ({kinds}): every "
+        f"file would be skipped; {fix} (nothing was read or written)",
+    )

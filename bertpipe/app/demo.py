@@ -179,7 +179,7 @@ def demo_tokenizer(out: Path, common: list[str], vocab_size: int = FULL.vocab_si
     from bertpipe.cli_args import write_resolved_config
     from bertpipe.config import load_config
     from bertpipe.preprocessing.config import TokenizerConfig
-    from bertpipe.preprocessing.run import train_tokenizer
+    from bertpipe.preprocessing.vocab import train_tokenizer
 
     cfg = load_config(
         TokenizerConfig,

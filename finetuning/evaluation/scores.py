@@ -41,7 +41,7 @@ __all__ = [
 PERCENT_METRICS = {"squad": frozenset({"exact", "f1"})}
 """By task family, the metrics its fine-tuning runs log in percent: SQuAD's exact match and
 F1 (also as ``HasAns_``/``NoAns_`` breakdowns and under a later dev file's prefix), as
-:func:`~bertpipe.finetuning.tasks.squad.squad_metrics` and the official script report them.
+:func:`~bertpipe.finetuning.tasks.squad_scores.squad_metrics` and the official script report them.
 Every other metric is a fraction."""
 
 

@@ -41,7 +41,8 @@ import pytest
 from bertpipe.config import load_config, to_yaml
 from bertpipe.errors import TEMPFAIL_EXIT_CODE
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
-from bertpipe.preprocessing.run import run_preprocess, train_tokenizer
+from bertpipe.preprocessing.run import run_preprocess
+from bertpipe.preprocessing.vocab import train_tokenizer
 from tests.conftest import end_process_group, synthetic_documents, write_sentence_files
 from tests.faultenv import FAULT_PREPROCESS_HOLD, FAULT_PREPROCESS_STALL, child_pythonpath
 from tests.netns import NetnsUnavailableError, TestHosts

@@ -26,8 +26,8 @@ from tokenizers import normalizers
 
 from bertpipe.config import load_config
 from bertpipe.preprocessing.config import TokenizerConfig
+from bertpipe.preprocessing.normalisation import Normalisation
 from bertpipe.preprocessing.tokenizer import (
-    Normalisation,
     TokenizerMismatchError,
     build_from_vocab,
     load_tokenizer,

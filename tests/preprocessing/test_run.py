@@ -267,7 +267,7 @@ def test_progress_in_corpus_mb_from_task_markers(
 ) -> None:
     """The driver counts the markers the tasks leave (ranges read, training buckets made,
     shards written) as corpus MB done, and logs the last line when the job ends."""
-    from bertpipe.preprocessing.pipeline import _mark_done
+    from bertpipe.preprocessing.pipeline.layout import _mark_done
     from bertpipe.preprocessing.run import PreprocessProgress
 
     cfg = _cfg(corpus_dir, tokenizer_dir, tmp_path / "o", "tracking.enabled=false")

@@ -24,7 +24,8 @@ import pytest
 from bertpipe import fsio
 from bertpipe.config import load_config
 from bertpipe.preprocessing.config import PreprocessConfig, TokenizerConfig
-from bertpipe.preprocessing.run import run_preprocess, train_tokenizer
+from bertpipe.preprocessing.run import run_preprocess
+from bertpipe.preprocessing.vocab import train_tokenizer
 from tests.conftest import synthetic_documents, write_sentence_files
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

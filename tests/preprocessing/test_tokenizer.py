@@ -96,7 +96,7 @@ def test_a_sample_of_a_big_corpus_is_chosen_before_splitting_and_capped(
     from bertpipe.preprocessing import readers
     from bertpipe.preprocessing.config import TokenizerConfig
     from bertpipe.preprocessing.readers import InputConfig
-    from bertpipe.preprocessing.run import _sample_sentences
+    from bertpipe.preprocessing.vocab import _sample_sentences
     from bertpipe.seeding import stable_unit
 
     path = tmp_path / "c.jsonl"

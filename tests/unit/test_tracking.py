@@ -119,7 +119,7 @@ def test_sigterm_ends_a_stage_run_killed_and_the_cli_exits_143(
     def stopped(cfg: object) -> None:
         raise Terminated()
 
-    monkeypatch.setattr("bertpipe.preprocessing.run.train_tokenizer", stopped)
+    monkeypatch.setattr("bertpipe.preprocessing.vocab.train_tokenizer", stopped)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a b c\n")
     argv = ["tokenizer", "train", f"input.paths=[{corpus}]", f"output={tmp_path / 'tok'}"]

@@ -22,8 +22,8 @@ __all__ = ["Window", "loss_scale", "memory_metrics"]
 class Window:
     """Sums over the optimizer steps since the last log line (this rank). Losses and counts
     stay on the device, so that no step waits for the device; what the batches held and cost
-    (:class:`~bertpipe.training.core.step.BatchStats`) and the time spent waiting for data are host
-    sums."""
+    (:class:`~bertpipe.training.pretrain.batches.BatchStats`) and the time spent waiting for data
+    are host sums."""
 
     FIELDS = ("loss", "mlm_loss", "nsp_loss", "mlm_correct", "mlm_count", "nsp_correct")
     HOST_FIELDS = ("sequences", "tokens", "padded_tokens", "flops", "padded_flops", "data_wait")

@@ -160,8 +160,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         return run_scale(args)
     from bertpipe.config import load_config
     from bertpipe.preprocessing.config import TokenizerConfig
-    from bertpipe.preprocessing.run import train_tokenizer
     from bertpipe.preprocessing.sample_corpus import write_corpus
+    from bertpipe.preprocessing.vocab import train_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.workdir or tmp)

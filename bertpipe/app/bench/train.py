@@ -6,12 +6,12 @@ The same pieces as ``bertpipe pretrain``: the model of :mod:`bertpipe.training.m
 the typed config), the trainer's loader
 (:func:`bertpipe.training.pretrain.data.loader.build_pretraining_data`) and its guarded step
 (:class:`bertpipe.training.core.step.OptimizerStep`,
-:class:`bertpipe.training.core.step.BatchPrep`), for a preset at one phase's shape. The shards are
-``--data`` (a phase folder with ``manifest.json``) or synthetic ones
-written to a temporary folder, whose lengths follow Google's instance recipe on documents of
-about 900 tokens (Wikipedia's mean): 10% short targets (uniform), and a target-length
-instance unless the document ends first (probability ``seq_len / 900``, then uniform in
-[seq_len / 4, seq_len]); about 90% real tokens at 128 and 76% at 512.
+:class:`bertpipe.training.pretrain.batches.BatchPrep`), for a preset at one phase's shape. The
+shards are ``--data`` (a phase folder with ``manifest.json``) or synthetic ones written to a
+temporary folder, whose lengths follow Google's instance recipe on documents of about 900 tokens
+(Wikipedia's mean): 10% short targets (uniform), and a target-length instance unless the document
+ends first (probability ``seq_len / 900``, then uniform in [seq_len / 4, seq_len]); about 90% real
+tokens at 128 and 76% at 512.
 
 Figures (the last line of output is one JSON object): sequences/s, real tokens/s, achieved
 TFLOP/s and MFU on real tokens (what the model needs) and on padded tokens (what a padded
@@ -166,7 +166,7 @@ class _Timer:
 
 
 def _step_figures(stats: Any) -> dict[str, float]:
-    """A step's :class:`~bertpipe.training.core.step.BatchStats` as the figures
+    """A step's :class:`~bertpipe.training.pretrain.batches.BatchStats` as the figures
     :func:`_figures` sums."""
     keys = ("sequences", "real_tokens", "padded_tokens", "flops", "padded_flops")
     return {k: float(getattr(stats, k)) for k in keys}

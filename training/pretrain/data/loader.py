@@ -458,7 +458,7 @@ def build_pretraining_data(
     The one place where the loaders of pre-training, its evaluation and ``bertpipe bench
     train`` are configured. Evaluation reads its blocks unmixed (``shuffle_blocks`` 1): the
     batches it takes are a fixed subset whatever the training's shuffle. Batches are not
-    pinned here: :class:`~bertpipe.training.core.step.BatchPrep` pins what it sends to a GPU
+    pinned here: :class:`~bertpipe.training.pretrain.batches.BatchPrep` pins what it sends to a GPU
     (after unpadding, which makes new tensors).
 
     ``manifest``: ``phase.data``'s manifest if already read (the trainer's
