@@ -55,6 +55,7 @@ import logging
 import os
 import re
 import string
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
@@ -418,8 +419,10 @@ def align_klue_ner(
 
     ``predictions``: tag ids [N, S'] or logits [N, S', C], or N per-row arrays. A token's
     first character takes its tag; its other characters the ``I-`` form of it (``O``
-    stays ``O``), as KLUE's baseline spreads a word piece over its syllables. Characters no
-    token covers (spaces, cut off by truncation) are ``O``.
+    stays ``O``), as KLUE's baseline spreads a word piece over its syllables. A combining
+    mark or format character that the normaliser removed (so no token covers it: a
+    decomposed accent, a zero-width joiner) goes with the character before it; other
+    characters no token covers (spaces, those cut off by truncation) are ``O``.
     """
     out: list[list[str]] = []
     for i, sentence in enumerate(sentences):
@@ -429,17 +432,26 @@ def align_klue_ner(
             row = row.argmax(axis=-1)
         if row.shape[0] < length:
             raise ValueError(f"predictions row {i} has {row.shape[0]} positions, needs {length}")
-        tags = ["O"] * len(sentence.chars)
+        tags: list[str | None] = [None] * len(sentence.chars)
         for position in range(1, length - 1):
             start = int(features["char_start"][i, position])
             end = int(features["char_end"][i, position])
             tag = spec.labels[int(row[position])]
-            inside = tag if tag == "O" else f"I-{tag[2:]}"
             tags[start] = tag
             for c in range(start + 1, end):
-                tags[c] = inside
-        out.append(tags)
+                tags[c] = _inside(tag)
+        for c, ch in enumerate(sentence.chars):  # characters no token covers
+            if tags[c] is None:
+                previous = tags[c - 1] if c else None
+                mark = unicodedata.category(ch)[0] == "M" or unicodedata.category(ch) == "Cf"
+                tags[c] = _inside(previous) if mark and previous is not None else "O"
+        out.append([t or "O" for t in tags])
     return out
+
+
+def _inside(tag: str) -> str:
+    """The tag a character inside ``tag``'s entity takes: ``I-X`` for ``B-X``/``I-X``."""
+    return tag if tag == "O" else f"I-{tag[2:]}"
 
 
 def _without_spaces(

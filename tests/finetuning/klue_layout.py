@@ -130,8 +130,10 @@ def task_files(root: Path) -> dict[str, dict[str, Path]]:
     return out
 
 
-def write_klue(root: Path) -> Path:
-    """Write the five tasks' training and dev files under ``root``; returns ``root``."""
+def write_klue(root: Path, copies: int = 1) -> Path:
+    """Write the five tasks' training and dev files under ``root``; returns ``root``.
+    ``copies``: each training row that many times (each with its own guid), for protocols
+    whose batch is larger than the 6 training rows of the smallest task."""
     files = task_files(root)
     for paths in files.values():
         paths["train"].parent.mkdir(parents=True, exist_ok=True)
@@ -143,11 +145,12 @@ def write_klue(root: Path) -> Path:
     for label, titles in YNAT.items():
         for i, title in enumerate(titles):
             split = "dev" if i == 2 else "train"
-            guid = f"ynat-v1.1_{split}_{len(rows[split]):05d}"
-            rows[split].append({"guid": guid, "title": title, "label": label})
+            for _ in range(copies if split == "train" else 1):
+                guid = f"ynat-v1.1_{split}_{len(rows[split]):05d}"
+                rows[split].append({"guid": guid, "title": title, "label": label})
     for split in rows:
         dump(files["ynat"][split], rows[split])
-    for split, part in (("train", STS[:6]), ("dev", STS[4:])):
+    for split, part in (("train", STS[:6] * copies), ("dev", STS[4:])):
         dump(
             files["sts"][split],
             [
@@ -160,7 +163,7 @@ def write_klue(root: Path) -> Path:
                 for i, (a, b, y) in enumerate(part)
             ],
         )
-    for split, part in (("train", NLI), ("dev", NLI[:3])):
+    for split, part in (("train", NLI * copies), ("dev", NLI[:3])):
         dump(
             files["nli"][split],
             [
@@ -173,9 +176,9 @@ def write_klue(root: Path) -> Path:
                 for i, (p, h, y) in enumerate(part)
             ],
         )
-    files["ner"]["train"].write_text(ner_file(NER, "train"), encoding="utf-8")
+    files["ner"]["train"].write_text(ner_file(NER * copies, "train"), encoding="utf-8")
     files["ner"]["dev"].write_text(ner_file(NER[:3], "dev"), encoding="utf-8")
-    dump(files["mrc"]["train"], _mrc("train", MRC))
+    dump(files["mrc"]["train"], _mrc("train", MRC * copies))
     dump(files["mrc"]["dev"], _mrc("dev", MRC[:2]))
     return root
 

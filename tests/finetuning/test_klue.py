@@ -132,6 +132,34 @@ def test_ner_characters_reach_word_pieces_and_come_back(korean_bert: Path, data:
     assert cut[0][-1] == "O"  # a character past the cut is O
 
 
+def test_ner_offsets_hold_through_an_uncased_normaliser() -> None:
+    """An uncased tokenizer lower-cases and strips accents; its offsets still point into
+    the sentence as written, so every character gets its tag back: ``É`` written as one
+    character, and written decomposed (``E`` and a combining accent on lines of their own,
+    the accent covered by no token: it goes with the character before it)."""
+    import unicodedata
+
+    from bertpipe.preprocessing.tokenizer import build_from_vocab
+
+    tokenizer = build_from_vocab([*korean_vocab(), "cafe"], lowercase=True)
+    marked = [
+        "<CAFÉ 서울:OG>에서 <김철수:PS>를 만났다.",
+        "<" + unicodedata.normalize("NFD", "CAFÉ") + ":OG> 부산에서",
+    ]
+    sentences = []
+    for i, text in enumerate(marked):
+        chars, tags = zip(*ner_chars(text), strict=True)
+        sentences.append(klue.KlueSentence(f"s{i}", chars, tags, 1))
+    assert len(sentences[1].chars) == len(sentences[0].chars[:4]) + 1 + 5  # the accent
+    spec = klue.klue_task("ner").spec
+    features = klue.featurize_klue_ner(tokenizer, sentences, spec, 64)
+    gold_ids = np.where(features["labels"] < 0, 0, features["labels"])
+    aligned = klue.align_klue_ner(features, gold_ids, sentences, spec)
+    for sentence, tags in zip(sentences, aligned, strict=True):
+        for ch, want, got in zip(sentence.chars, sentence.labels, tags, strict=True):
+            assert ch == " " or got == want, (sentence.text, ch, want, got)
+
+
 def test_ner_metrics_are_klues_definitions() -> None:
     """Entity macro F1: seqeval strict IOB2 (an entity opened with I- is none), the mean
     over types; character macro F1: scikit-learn over all 13 tags, a tag on neither side
