@@ -91,7 +91,7 @@ def test_wheel_installs_non_editable_and_runs_from_outside_the_checkout(tmp_path
     top = {n.split("/")[0] for n in names if ".dist-info/" not in n}
     assert top == {"bertpipe"}, top  # one import name
     assert "bertpipe/configs/pretrain-bert-large-lamb.yaml" in names
-    assert "bertpipe/training/trainer.py" in names
+    assert "bertpipe/training/pretrain/trainer.py" in names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
