@@ -35,6 +35,7 @@ import pytest
 
 from tests.cli_runner import run_cli
 from tests.conftest import sqlite_uri
+from tests.finetuning.klue_layout import write_klue
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -318,6 +319,7 @@ def _write_inputs(ws: Path) -> None:
     write_glue(ws / "glue_data", train=24, dev=16)
     _write_squad(ws / "squad")
     _write_conll(ws / "conll2003")
+    write_klue(ws / "klue_benchmark", copies=2)
     (ws / "my-suite.yaml").write_text(
         "name: my-suite\n"
         "tasks:\n"
