@@ -31,8 +31,8 @@ from bertpipe.preprocessing.pipeline import (
     Plan,
     ReadTokenizeFn,
     SumCounts,
-    _deduplicate,
 )
+from bertpipe.preprocessing.pipeline.quality import deduplicate
 from bertpipe.preprocessing.ranges import ReadRange
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,7 @@ def _build(p: beam.Pipeline, plan: Plan, ranges: list[ReadRange]) -> None:
     counts = [read["counts"]]
     samples = [read["samples"]]
     if cfg.quality.dedup.enabled:
-        drops, dedup_counts = _deduplicate(plan, read["dedup"])
+        drops, dedup_counts = deduplicate(plan, read["dedup"])
         counts.append(dedup_counts)
         # the job takes the duplicates out of the read stage's counts (documents, sentences,
         # tokens, per split) and decodes their samples where it makes instances: the same

@@ -75,7 +75,7 @@ _PRETRAIN_TINY = [
     "checkpoint.every_steps=2",
     "log_every_steps=1",
 ]
-_FINETUNE_TINY = ["epochs=1", "batch_size=8", "task.max_seq_length=64"]
+_FINETUNE_TINY = ["epochs=1", "batch_size=8"]
 _PROTOCOL_TINY = [
     "protocol.seeds=[1]",
     "protocol.learning_rates=[5e-4]",
@@ -93,7 +93,6 @@ TINY: dict[str, list[str]] = {
         "sweep.learning_rate=[5e-4]",
         "sweep.batch_size=[8]",
         "sweep.epochs=[1]",
-        "task.max_seq_length=64",
     ],
     "evaluate": _PROTOCOL_TINY,
     "bench preprocess": ["--replicas", "1", "--no-scaling"],
