@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import itertools
 import json
 import logging
 import re
@@ -100,9 +101,7 @@ def write_corpus(
     """
     from bertpipe.preprocessing.sentences import split_sentences
 
-    docs = list(iter_python_docs())
-    if max_documents is not None:
-        docs = docs[:max_documents]
+    docs = list(itertools.islice(iter_python_docs(), max_documents))  # the first N, read no more
     buffers: list[list[str]] = [[] for _ in range(files)]
     n = 0
     for rep in range(replicas):

@@ -491,8 +491,10 @@ def test_quick_start_and_what_follows_the_demo(
     demo = [c for c in commands if c.argv[:2] == ["make", "demo"]]
     assert len(demo) == 1, "the quick start runs `make demo`"
     smoke = Command(demo[0].section, demo[0].line, "bertpipe demo --out runs/demo")
-    # the demo's outputs are tiny already: its own configs are run as they are
-    run_commands([smoke, *commands], tmp_path, monkeypatch, tiny={"demo": TINY["demo"]})
+    # the demo's outputs are tiny already: its own configs run as they are, but for the steps
+    # a continued phase 2 adds (the smoke's phase 2 has 4)
+    tiny = {"demo": TINY["demo"], "pretrain": ["phases[1].max_steps=6"]}
+    run_commands([smoke, *commands], tmp_path, monkeypatch, tiny=tiny)
     assert (tmp_path / "runs" / "demo" / "mlartifacts").is_dir()
 
 
