@@ -516,7 +516,8 @@ BENCH_ELSEWHERE = {
     "evaluate": "tests/finetuning/test_evaluate.py::test_bench_evaluate_reports_seconds_per_task",
     "loader": "tests/training/test_data_s3.py::"
     "test_bench_loader_on_s3_reports_the_local_figures_beside",
-    "sentences": "tests/preprocessing/test_languages.py::test_bench_sentences_reports_each_language",
+    "sentences": "tests/preprocessing/test_languages.py::"
+    "test_bench_sentences_reports_each_language",
 }
 """Benchmarks whose README lines another test runs at a tiny size (a benchmark at a tiny
 size costs what its own test costs: running it twice would only add time). The README test
