@@ -21,7 +21,7 @@ import math
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -175,7 +175,15 @@ def demo_corpus(out: Path, documents: int | None) -> list[str]:
     return write_corpus(str(folder), fmt="jsonl", files=4, max_documents=documents)
 
 
-def demo_tokenizer(out: Path, common: list[str], vocab_size: int = FULL.vocab_size) -> object:
+def demo_tokenizer(
+    out: Path,
+    common: list[str],
+    vocab_size: int = FULL.vocab_size,
+    config: str | None = None,
+    extra: Sequence[str] = (),
+) -> object:
+    """The tokenizer of ``out/corpus`` (``config``: a shipped recipe or YAML file under the
+    demo's settings; ``extra``: overrides after them)."""
     from bertpipe.cli_args import write_resolved_config
     from bertpipe.config import load_config
     from bertpipe.preprocessing.config import TokenizerConfig
@@ -183,7 +191,7 @@ def demo_tokenizer(out: Path, common: list[str], vocab_size: int = FULL.vocab_si
 
     cfg = load_config(
         TokenizerConfig,
-        None,
+        config,
         [
             f"input.paths=[{out / 'corpus'}]",
             "input.format=jsonl",
@@ -192,6 +200,7 @@ def demo_tokenizer(out: Path, common: list[str], vocab_size: int = FULL.vocab_si
             "overwrite=true",
             "tracking.run_name=demo-tokenizer",
             *common,
+            *extra,
         ],
     )
     summary = train_tokenizer(cfg)
@@ -200,7 +209,10 @@ def demo_tokenizer(out: Path, common: list[str], vocab_size: int = FULL.vocab_si
 
 
 def _preprocess(
-    out: Path, common: list[str], heldout_fraction: float = FULL.heldout_fraction
+    out: Path,
+    common: list[str],
+    heldout_fraction: float = FULL.heldout_fraction,
+    config: str | None = None,
 ) -> object:
     from bertpipe.cli_args import write_resolved_config
     from bertpipe.config import load_config
@@ -209,7 +221,7 @@ def _preprocess(
 
     cfg = load_config(
         PreprocessConfig,
-        None,
+        config,
         [
             f"input.paths=[{out / 'corpus'}]",
             "input.format=jsonl",
@@ -321,13 +333,13 @@ def _evaluate(
     return result
 
 
-def _compare(out: Path, uri: str, demo_id: str) -> None:
+def _compare(out: Path, uri: str, demo_id: str, experiment: str = EXPERIMENT) -> None:
     """The runs-compare table of this demo's two suite runs, and its bar plot."""
     from bertpipe.app.compare import CompareQuery, print_suites
 
     sys.stdout.write("\nThe suite runs (bertpipe runs compare --suites):\n")
     print_suites(
-        CompareQuery(experiment=EXPERIMENT, tracking_uri=uri, tags={TAG_DEMO: demo_id}),
+        CompareQuery(experiment=experiment, tracking_uri=uri, tags={TAG_DEMO: demo_id}),
         plot=str(out / "suite-scores.png"),
         width=0,
     )
@@ -413,7 +425,11 @@ def _print_summary(
 
 
 def _suite_lines(
-    out: Path, pretrained: SuiteResult, random: SuiteResult, size: Size = FULL
+    out: Path,
+    pretrained: SuiteResult,
+    random: SuiteResult,
+    size: Size = FULL,
+    what: Mapping[str, str] = TASK_WHAT,
 ) -> list[str]:
     """The suite's scores per task and on average from both initialisations, each the number
     the compare table shows for it (dev accuracy x100, mean ± std over the seeds, at the
@@ -432,7 +448,7 @@ def _suite_lines(
                 _score(mine.mean, mine.std),
                 _score(other.mean, other.std),
                 *chosen,
-                TASK_WHAT.get(mine.task, ""),
+                what.get(mine.task, ""),
             ]
         )
     average = [_score(ours.average, ours.average_std), _score(theirs.average, theirs.average_std)]
