@@ -521,6 +521,8 @@ BENCH_ELSEWHERE = {
     "test_bench_loader_on_s3_reports_the_local_figures_beside",
     "sentences": "tests/preprocessing/test_languages.py::"
     "test_bench_sentences_reports_each_language",
+    "language": "tests/finetuning/test_bench_language.py::"
+    "test_bench_language_pretrains_and_fine_tunes_both_models",
 }
 """Benchmarks whose README lines another test runs at a tiny size (a benchmark at a tiny
 size costs what its own test costs: running it twice would only add time). The README test

@@ -40,7 +40,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "bertpipe.app.bench.recipes",
         "the paper's recipe vs the modern one at equal tokens and time: MLM, downstream",
     ),
-    "language": ("bertpipe.app.bench_language", "pre-trained vs random init in Korean"),
+    "language": ("bertpipe.app.bench.language", "pre-trained vs random init in Korean"),
 }
 
 

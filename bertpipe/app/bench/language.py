@@ -13,7 +13,7 @@ and from random weights:
    with the demo's data settings (dynamic masking, dupe factor 5, 2% of the pages held out);
 3. the demo's pre-training (``pretrain-demo``: 2 layers, hidden 128; 1,600 steps of 32
    sequences of 128 tokens, then 40 of 16 at 512; ``--steps`` changes phase 1's) and export;
-4. labelled tasks from the same pages (:mod:`bertpipe.finetuning.manual_task`: which part of
+4. labelled tasks from the same pages (:mod:`bertpipe.app.bench.manual_task`: which part of
    the manual a paragraph, or a sentence, in the language's script comes from; split by
    page; ``--train-per-label`` rows per class), a suite YAML for ``bertpipe evaluate``;
 5. ``bertpipe evaluate`` of the suite from the export and with ``finetune.random_init=true``
@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> Path:
     """The language's pages folder; one line (exit 2) before any work for what cannot run."""
-    from bertpipe.preprocessing.bench_sentences import GIMP_HELP_PACKAGES
+    from bertpipe.app.bench.sentences import GIMP_HELP_PACKAGES
 
     problems = []
     if args.language not in RECIPES:
@@ -146,7 +146,7 @@ def check_args(args: argparse.Namespace) -> Path:
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     from bertpipe.app import demo
-    from bertpipe.finetuning.manual_task import (
+    from bertpipe.app.bench.manual_task import (
         DEFAULT_TASKS,
         TASKS,
         ManualPage,
@@ -259,10 +259,10 @@ def _pretrained(
     language's recipes) into ``out``; returns the budget, also written to
     ``out/pretrain-budget.json``."""
     from bertpipe.app import demo
-    from bertpipe.app.bench_recipes import _mean_tokens
+    from bertpipe.app.bench.manual_task import script_share
+    from bertpipe.app.bench.recipes import _mean_tokens
     from bertpipe.config import load_config
-    from bertpipe.finetuning.manual_task import script_share
-    from bertpipe.training.config import PretrainConfig
+    from bertpipe.training.pretrain.config import PretrainConfig
 
     tokenizer_recipe, preprocess_recipe = RECIPES[language]
     corpus = _write_corpus(out / "corpus", pages)

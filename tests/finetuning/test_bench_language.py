@@ -1,6 +1,6 @@
 """``bertpipe bench language``: the Korean recipe from the GIMP manual's pages to a pre-trained
 tiny BERT, and the labelled tasks made from the same pages
-(:mod:`bertpipe.finetuning.manual_task`), fine-tuned from the export and from random weights.
+(:mod:`bertpipe.app.bench.manual_task`), fine-tuned from the export and from random weights.
 
 The pages are Debian's ``gimp-help-ko`` (``.cache/gimp-help/ko``, fetched by ``.ci/run``);
 without them the tests that read them skip and say how to fetch them."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bertpipe.preprocessing.bench_sentences import GIMP_HELP_PACKAGES
+from bertpipe.app.bench.sentences import GIMP_HELP_PACKAGES
 from tests.cli_runner import run_cli
 from tests.langtext import PAGES
 
@@ -39,14 +39,14 @@ def _read(path: Path) -> list[tuple[str, str]]:
 def test_manual_tasks_are_korean_balanced_and_split_by_page(tmp_path: Path) -> None:
     """Every row is mostly Hangul; training holds the same number of rows per class; no page
     gives rows to both splits (a page's text is found in one split only); the suite loads."""
-    from bertpipe.finetuning.evaluation.suite import check_suite, load_suite
-    from bertpipe.finetuning.manual_task import (
+    from bertpipe.app.bench.manual_task import (
         _blocks,
         dev_pages,
         manual_pages,
         script_share,
         write_manual_suite,
     )
+    from bertpipe.finetuning.evaluation.suite import check_suite, load_suite
 
     pages = manual_pages(_korean_pages(), "ko", max_pages=60)
     summary = write_manual_suite(pages, str(tmp_path), "ko", train_per_label=8)
@@ -71,7 +71,7 @@ def test_manual_tasks_are_korean_balanced_and_split_by_page(tmp_path: Path) -> N
         for text, _ in train + dev:
             assert script_share(text, "ko") >= 0.5 and HANGUL.search(text), text
         assert (summary[task]["train"], summary[task]["dev"]) == (len(train), len(dev))
-    suite = check_suite(load_suite(str(tmp_path / "suite.yaml")), "fail")
+    suite = check_suite(load_suite(str(tmp_path / "suite.yaml"), str(tmp_path)), "fail")
     assert [t.name for t in suite.tasks] == ["part-paragraph", "part-sentence"]
 
 
@@ -92,7 +92,13 @@ def test_bench_language_pretrains_and_fine_tunes_both_models(tmp_path: Path) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     budget = result["budget"]
-    assert budget["corpus"]["pages"] == 12
+    # pre-training reads the Hangul blocks of the training pages only (no dev page's text)
+    assert 0 < budget["corpus"]["pages"] < 12
+    assert (budget["corpus"]["pretrain_on"], budget["corpus"]["text"]) == (
+        "training-pages",
+        "script",
+    )
+    assert budget["corpus"]["script_share"] > 0.9
     assert budget["recipes"] == ["tokenizer-ko-cased", "preprocess-ko", "pretrain-demo"]
     assert [p["steps"] for p in budget["phases"].values()] == [20, 4]
     assert budget["sequences"] == 20 * 32 + 4 * 16

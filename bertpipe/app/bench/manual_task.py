@@ -13,7 +13,7 @@ translation, and so are the labels (the part's file name without ``gimp-`` and `
 ``introduction-history``).
 
 Rows are the pages' blocks (paragraphs, list items, table cells, as
-:func:`~bertpipe.preprocessing.bench_sentences.html_text` cuts them), spaces collapsed, that
+:func:`~bertpipe.app.bench.sentences.html_text` cuts them), spaces collapsed, that
 are mostly in the language's script (:data:`SCRIPTS`; half the letters or more): the
 translations are partial (the Korean pages are 7% Hangul), and an English paragraph left
 untranslated would make the task an English one.
@@ -138,7 +138,7 @@ def manual_pages(folder: Path, language: str, max_pages: int | None = None) -> l
     """The pages under ``folder`` with any text, by name; ``max_pages``: only that many, those
     with the most paragraphs in ``language``'s script (ties by name): a small sample that
     still spans parts."""
-    from bertpipe.preprocessing.bench_sentences import html_text
+    from bertpipe.app.bench.sentences import html_text
 
     up = _up_links(folder)
     pages = []
