@@ -91,6 +91,8 @@ class Size:
     seeds: tuple[int, ...] = tuple(SEEDS)
     epochs: int = EPOCHS
     train_per_label: int = TASK_TRAIN_PER_LABEL
+    learning_rates: tuple[float, ...] = tuple(LEARNING_RATES)
+    """The fine-tuning protocol's grid (the best mean dev score's rate per task and model)."""
 
 
 FULL = Size()
@@ -318,7 +320,7 @@ def _evaluate(
             f"output={out / 'evaluate' / name}",
             "overwrite=true",  # a rerun of the demo replaces its previous suite
             f"finetune={{random_init: {str(MODELS[name]).lower()}}}",
-            f"protocol.learning_rates={LEARNING_RATES}",
+            f"protocol.learning_rates={list(size.learning_rates)}",
             f"protocol.seeds={list(size.seeds)}",
             f"protocol.epochs={size.epochs}",
             f"protocol.batch_size={BATCH_SIZE}",
@@ -430,13 +432,14 @@ def _suite_lines(
     random: SuiteResult,
     size: Size = FULL,
     what: Mapping[str, str] = TASK_WHAT,
+    score: str = "dev accuracy",
 ) -> list[str]:
     """The suite's scores per task and on average from both initialisations, each the number
     the compare table shows for it (dev accuracy x100, mean ± std over the seeds, at the
     chosen learning rate)."""
     ours, theirs = pretrained.scores, random.scores
-    grid = ", ".join(f"{lr:g}" for lr in LEARNING_RATES)
-    several = len(LEARNING_RATES) > 1
+    grid = ", ".join(f"{lr:g}" for lr in size.learning_rates)
+    several = len(size.learning_rates) > 1
     rate = f"each task's best learning rate of {grid}" if several else f"learning rate {grid}"
     labels = [pretrained.label, random.label]  # the suite runs' labels, as compare heads them
     rows = [["", *labels, *(["chosen lr"] if several else []), ""]]
@@ -457,7 +460,7 @@ def _suite_lines(
     lines = [
         f"  evaluate    suite {ours.suite} ({out / 'tasks' / 'suite.yaml'}, "
         f"{size.train_per_label} training rows per class), outputs in {out / 'evaluate'}",
-        f"              dev accuracy x100 at the last of {size.epochs} epochs "
+        f"              {score} x100 at the last of {size.epochs} epochs "
         f"(batch {BATCH_SIZE}), mean ± std over seeds {', '.join(map(str, size.seeds))},",
         f"              at {rate}:",
     ]
@@ -469,7 +472,7 @@ def _suite_lines(
     # the difference of the two averages as shown (x100, one decimal), so that it adds up
     gain = round(ours.average * 100, 1) - round(theirs.average * 100, 1)
     lines.append(
-        f"  pre-training buys {gain:+.1f} points of dev accuracy on the suite average "
+        f"  pre-training buys {gain:+.1f} points of {score} on the suite average "
         f"({len(ours.tasks)} tasks, {len(size.seeds)} seed{'s' * (len(size.seeds) > 1)} each)"
     )
     return lines
