@@ -25,6 +25,7 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenizers import (
     Tokenizer,
@@ -433,12 +434,46 @@ class CorpusEncoder:
         self._literal.encode_special_tokens = True
         self._specials = [t for t in SPECIAL_TOKENS if tokenizer.token_to_id(t) is not None]
         self._batch = getattr(self._plain, "encode_batch_fast", self._plain.encode_batch)
+        self._ascii_batch = self._ascii_encoder(tokenizer)
+
+    @staticmethod
+    def _ascii_encoder(tokenizer: Tokenizer) -> Callable[..., list[Any]] | None:
+        """The batch encoder of a copy whose normaliser is the ``BertNormalizer`` step alone,
+        for ASCII sentences, where the steps after it that strip :data:`DIACRITICS` (NFD,
+        the marks' removal, NFC) change nothing: they are a third of the normaliser's work
+        and 10-15% of the job's on English text. None where the tokenizer has no such
+        steps (Google's normaliser, cased, or a tokenizer.json from elsewhere)."""
+        norm = Normalisation.of(tokenizer)
+        if norm is None or not norm.strips or norm.accent_marks != "diacritics":
+            return None
+        state = json.loads(tokenizer.to_str())
+        steps = state["normalizer"]["normalizers"]
+        if [step.get("type") for step in steps] != ["BertNormalizer", "NFD", "Replace", "NFC"]:
+            return None
+        state["normalizer"] = steps[0]
+        fast = Tokenizer.from_str(json.dumps(state))
+        fast.no_truncation()
+        fast.no_padding()
+        return getattr(fast, "encode_batch_fast", fast.encode_batch)
 
     def encode(self, sentences: list[str]) -> list[list[int]]:
         """Token ids of each sentence, [len(sentences)] lists."""
         if not sentences:
             return []
-        ids = [e.ids for e in self._batch(sentences, add_special_tokens=False)]
+        fast = self._ascii_batch
+        if fast is None:
+            ids = [e.ids for e in self._batch(sentences, add_special_tokens=False)]
+        elif all(s.isascii() for s in sentences):
+            ids = [e.ids for e in fast(sentences, add_special_tokens=False)]
+        else:
+            ascii_at = [i for i, s in enumerate(sentences) if s.isascii()]
+            other_at = [i for i, s in enumerate(sentences) if not s.isascii()]
+            ids = [[] for _ in sentences]
+            for at, encode in ((ascii_at, fast), (other_at, self._batch)):
+                if at:
+                    encodings = encode([sentences[i] for i in at], add_special_tokens=False)
+                    for i, e in zip(at, encodings, strict=True):
+                        ids[i] = e.ids
         joined = "\n".join(sentences)
         if any(t in joined for t in self._specials):
             for i, sentence in enumerate(sentences):

@@ -85,6 +85,47 @@ def test_literal_special_tokens_in_text_are_text() -> None:
     assert ids[1] == tok.encode("Plain text.", add_special_tokens=False).ids
 
 
+@pytest.mark.parametrize("accent_marks", ["diacritics", "all"])
+def test_corpus_encoder_gives_the_tokenizers_ids_on_any_text(accent_marks: str) -> None:
+    """The job's encoder takes a shortcut for ASCII sentences under the default normaliser
+    (the diacritics steps left out: they change no ASCII text); its ids equal the
+    tokenizer's own on every kind of text, in order, in batches mixing them."""
+    import random
+    import unicodedata
+
+    from bertpipe.preprocessing.normalisation import Normalisation
+
+    norm = Normalisation(accent_marks=accent_marks)  # type: ignore[arg-type]
+    extra = ["Café déjà vu naïve", "파일을 사용합니다", "がぎぐ ガギグ", "Ångström Øre ß ﬁ"]
+    tok = train_wordpiece([*TEXTS, *extra], vocab_size=400, min_frequency=1, normalisation=norm)
+    rng = random.Random(7)
+    pools = [
+        "".join(map(chr, range(128))),  # every ASCII code point, controls and DEL included
+        "abcdefghij ABCDEFGHIJ .,;:!?'-",
+        "àáâãäåçèéêëìíîïñòóôõöùúûüýÿÀÉÎÕÜŒœŠšŽžİı",
+        unicodedata.normalize("NFD", "éèêàüöçñ") + "\u0301\u0308",
+        "파일을사용합니다한국어문장입니다 " + unicodedata.normalize("NFD", "한국어"),
+        "がぎぐげござじずぜぞパピプ漢字の文章です。",
+        "The government ",
+    ]
+    sentences = []
+    for _ in range(400):
+        chosen = rng.sample(pools, rng.randint(1, 3))
+        sentences.append("".join(rng.choice(p) for p in chosen for _ in range(rng.randint(0, 30))))
+    sentences += [s.lower() for s in extra] + ["", " ", "plain ascii only."]
+    encoder = CorpusEncoder(tok)
+    assert (encoder._ascii_batch is not None) == (accent_marks == "diacritics")
+    expected = [tok.encode(s, add_special_tokens=False).ids for s in sentences]
+    for size in (1, 7, 64, len(sentences)):
+        got = [
+            ids
+            for i in range(0, len(sentences), size)
+            for ids in encoder.encode(sentences[i : i + size])
+        ]
+        assert got == expected
+    assert any(s.isascii() and s for s in sentences) and any(not s.isascii() for s in sentences)
+
+
 def test_a_sample_of_a_big_corpus_is_chosen_before_splitting_and_capped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
