@@ -138,15 +138,14 @@ def test_run_list_order_and_commands_are_accepted(tmp_path: Path) -> None:
             )
         shape = ["128", "64"] if name.startswith("p1") else ["512", "16"]
         assert [options[options.index(o) + 1] for o in ("--seq-len", "--micro-batch")] == shape
-        if (ROOT / "training" / "bench_train.py").exists():
-            import argparse
+        import argparse
 
-            from bertpipe.app.bench.train import add_arguments
+        from bertpipe.app.bench.train import add_arguments
 
-            parser = argparse.ArgumentParser()
-            add_arguments(parser)
-            parsed = parser.parse_args(options)  # exits on an unknown option
-            assert parsed.zero == 1 and parsed.optimizer == "adamw"
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        parsed = parser.parse_args(options)  # exits on an unknown option
+        assert parsed.zero == 1 and parsed.optimizer == "adamw"
     args = runs["pretrain-demo"]
     cut = args.index("pretrain")
     assert args[cut + 1 : cut + 3] == ["--config", "configs/pretrain-demo.yaml"]
@@ -320,8 +319,6 @@ def test_check_runs_end_to_end_in_smoke_mode(
     tmp_path: Path,
     pretrain_shards: Path,
 ) -> None:
-    if not (ROOT / "training" / "bench_train.py").exists():
-        pytest.skip("bertpipe/app/bench/train.py (`bench train`) does not exist yet")
     # the demo's layout: seq128 for phase 1; phase 2's folder is only read for its manifest
     shards = tmp_path / "shards"
     shards.mkdir()
