@@ -36,6 +36,26 @@ class _DropKnownNoise(logging.Filter):
         return not str(record.msg).startswith(self._PREFIXES)
 
 
+class _OneLineForARaisedError(logging.Filter):
+    """MLflow's sqlite store logs a database error (``database is locked`` while parallel
+    trials write to one store) with its traceback, then raises it to its caller, which in
+    bertpipe retries the call or buffers it (``tracking.outbox``: replayed when the store
+    answers, with one warning). The record keeps its first line at WARNING, without the
+    traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            first = str(record.exc_info[1]).strip().splitlines()[0]
+            record.msg, record.args = "MLflow store: %s", (first,)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_RAISED_TO_THE_CALLER = ("mlflow.store.db.utils",)
+"""Loggers whose logged exceptions are raised to bertpipe too (and handled there)."""
+
+
 def process_rank() -> int:
     """The distributed rank from the launcher's environment (0 when not launched)."""
     for var in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"):
@@ -70,3 +90,7 @@ def setup_logging(level: str = "INFO", rank: int | None = None) -> None:
     root.setLevel(chosen)
     for name in _NOISY:
         logging.getLogger(name).setLevel(max(chosen, logging.WARNING))
+    for name in _RAISED_TO_THE_CALLER:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OneLineForARaisedError) for f in logger.filters):
+            logger.addFilter(_OneLineForARaisedError())

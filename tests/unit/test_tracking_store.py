@@ -352,3 +352,39 @@ def test_the_early_check_skips_resumed_runs_and_disabled_tracking(
     (checkpoints / "latest").write_text("global_step4")
     tracking.check_new_run(cfg, str(checkpoints))  # resumes: no probe, no error
     tracking.check_new_run(tracking.TrackingConfig(uri=cfg.uri, enabled=False))
+
+
+_STORE_ERROR = """
+import sys
+import sqlalchemy, sqlalchemy.orm
+from mlflow.exceptions import MlflowException
+from mlflow.store.db import utils
+from bertpipe.logs import setup_logging
+setup_logging("INFO")
+engine = sqlalchemy.create_engine("sqlite:///" + sys.argv[1])
+sessions = utils._get_managed_session_maker(sqlalchemy.orm.sessionmaker(bind=engine), "sqlite")
+try:
+    with sessions() as session:  # a real sqlite error through MLflow's session handling
+        session.execute(sqlalchemy.text("SELECT * FROM no_such_table"))
+except MlflowException as e:
+    print("raised:", type(e.__cause__).__name__)
+"""
+
+
+def test_a_store_error_mlflow_raises_to_bertpipe_is_one_line_without_its_traceback(
+    tmp_path: Path,
+) -> None:
+    """MLflow's sqlite store logs a database error with its traceback and raises it; bertpipe
+    handles it (retried, or buffered by the outbox and replayed: a ``database is locked``
+    while parallel trials write to one store), so the console shows the error's first line."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _STORE_ERROR, str(tmp_path / "store.db")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.stdout.strip() == "raised: OperationalError", proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].endswith(
+        " WARNING mlflow.store.db.utils: MLflow store: (sqlite3.OperationalError) no such"
+        " table: no_such_table"
+    ), lines
