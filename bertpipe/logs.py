@@ -45,7 +45,8 @@ class _OneLineForARaisedError(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None:
-            first = str(record.exc_info[1]).strip().splitlines()[0]
+            error = record.exc_info[1]
+            first = (str(error).strip().splitlines() or [type(error).__name__])[0]
             record.msg, record.args = "MLflow store: %s", (first,)
             record.exc_info, record.exc_text = None, None
             record.levelno, record.levelname = logging.WARNING, "WARNING"
