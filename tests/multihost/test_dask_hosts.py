@@ -384,6 +384,9 @@ def test_host2_lost_in_the_read_stage_and_again_in_the_shard_stage(
         # shard task, or host 1 began one: host 1 writes none while HOLD exists) by pulling
         # its cable: the scheduler hears nothing from it and drops it after worker-ttl
         dask.worker(1, "host2-b", **{FAULT_PREPROCESS_STALL: f"WriteShards:{shard_marker}"})
+        # joined before its link is cut: on a loaded machine its start-up (seconds) could
+        # outlast host 1's read stage, and the job end without it (no loss to see)
+        assert dask.wait_for("host1", "host2-b") == ["host1", "host2-b"]
         held = root / f"{HOLD}.held"
         _wait_for_file((shard_marker, held), driver, log, "shard stage")
         hosts.link_down(1)
