@@ -3,8 +3,12 @@ middle of a phase; the rank on host 1 names it and exits 75 within
 ``distributed.peer_timeout_s``; both hosts relaunched resume from ``latest`` bit for bit; and
 ``export`` gathers the stage-3 partitions into the logits of the same training at stage 0.
 
-Each host runs ``deepspeed --no_ssh --node_rank N`` (one rank each, AdamW, fp32); the
-checkpoint folder is shared (one machine), as a shared filesystem or object storage is.
+The first run has ``deepspeed --no_ssh --node_rank N`` on each host (one rank each, AdamW,
+fp32): the exit status 75 must come through DeepSpeed's launcher. The two resumes start
+``bertpipe pretrain`` directly on each host with the variables ``srun`` gives a task, as a
+requeued SLURM job does (two interpreters fewer per host than DeepSpeed's launcher, which
+``tests/multihost/test_launch_paths.py`` covers). The checkpoint folder is shared (one
+machine), as a shared filesystem or object storage is.
 """
 
 from __future__ import annotations
@@ -62,6 +66,33 @@ def _start(
     return procs
 
 
+def _start_as_srun(
+    hosts: TestHosts, cfg: Path, out: Path, tag: str, job_id: int, *extra: str
+) -> dict[int, subprocess.Popen]:  # type: ignore[type-arg]
+    """The job relaunched as ``srun --nodes 2 --ntasks-per-node 1`` starts it: each task is
+    ``bertpipe pretrain`` itself with srun's variables (the master is the node list's first
+    address, the port 20000 + job id % 20000)."""
+    procs = {}
+    for i in range(2):
+        env = _host_env(
+            SLURM_JOB_ID=str(job_id),
+            SLURM_STEP_ID="0",
+            SLURM_PROCID=str(i),
+            SLURM_LOCALID="0",
+            SLURM_NODEID=str(i),
+            SLURM_NTASKS="2",
+            SLURM_STEP_NUM_TASKS="2",
+            SLURM_NTASKS_PER_NODE="1",
+            SLURM_STEP_TASKS_PER_NODE="1(x2)",
+            SLURM_STEP_NODELIST="192.0.2.[1-2]",
+            SLURM_JOB_NODELIST="192.0.2.[1-2]",
+        )
+        cmd = [str(BIN / "bertpipe"), "pretrain", "--config", str(cfg), "only_phase=phase1",
+               "zero.stage=3", f"distributed.peer_timeout_s={PEER_TIMEOUT_S}", *extra]  # fmt: skip
+        procs[i] = hosts.popen(i, cmd, env=env, log=out / f"{tag}-host{i}.log", cwd=out)
+    return procs
+
+
 def test_lost_node_exits_75_and_zero3_resumes_and_exports(
     netns_hosts: TestHosts, pretrain_shards: Path, tmp_path: Path
 ) -> None:
@@ -94,7 +125,7 @@ def test_lost_node_exits_75_and_zero3_resumes_and_exports(
     assert ckpt.latest_tag(str(folder)) == "global_step4"  # nothing half-saved is used
 
     shutil.copytree(folder, tmp_path / "flap" / "checkpoints")  # latest: global_step4
-    again = _start(hosts, cfg, tmp_path, "again")
+    again = _start_as_srun(hosts, cfg, tmp_path, "again", 4301)
     for i, proc in again.items():
         assert proc.wait(timeout=TIMEOUT_S) == 0, (tmp_path / f"again-host{i}.log").read_text()[
             -3000:
@@ -105,7 +136,7 @@ def test_lost_node_exits_75_and_zero3_resumes_and_exports(
 
     # the same resume, host 2's link down for 0.6 x peer_timeout_s in the middle: survived,
     # steps 5-8 bit-equal to the resume above (both log into the checkpoint's MLflow run)
-    flap = _start(hosts, cfg, tmp_path, "flap", f"output={tmp_path / 'flap'}")
+    flap = _start_as_srun(hosts, cfg, tmp_path, "flap", 4302, f"output={tmp_path / 'flap'}")
     log_flap = tmp_path / "flap-host0.log"
     deadline = time.monotonic() + TIMEOUT_S
     while "step 5/8" not in (log_flap.read_text() if log_flap.exists() else ""):
