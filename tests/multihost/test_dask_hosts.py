@@ -389,6 +389,11 @@ def test_host2_lost_in_the_read_stage_and_again_in_the_shard_stage(
         assert dask.wait_for("host1", "host2-b") == ["host1", "host2-b"]
         held = root / f"{HOLD}.held"
         _wait_for_file((shard_marker, held), driver, log, "shard stage")
+        # host 1 holding its shard task leaves the other five to host 2: give its task the
+        # moment to reach the stall (cut earlier, it held a task with nothing to lose yet)
+        settle = time.monotonic() + 30
+        while not shard_marker.exists() and time.monotonic() < settle and driver.poll() is None:
+            time.sleep(0.1)
         hosts.link_down(1)
         cut = time.monotonic()
         hold.unlink()
