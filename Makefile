@@ -45,7 +45,7 @@ lint: install
 # (the tests with ranks on two test hosts, marked multihost, are part of it: they need root,
 # iproute2, sshd and pdsh, which .ci/run installs, and skip with the reason without them)
 # (--durations: CI's log shows where the suite's time goes)
-# compileall first: where PYTHONDONTWRITEBYTECODE is set (CI machines set it) no interpreter
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (the development VM sets it) no interpreter
 # writes the bytecode it compiles, so each of the suite's ~270 child processes (ranks,
 # launchers, workers) compiled the project's modules again; stale files are ignored by Python
 test: lint
