@@ -66,6 +66,25 @@ def _host_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", **extra}
 
 
+def srun_env(task: int, job_id: int) -> dict[str, str]:
+    """Task ``task``'s environment (one rank per host, as ``_host_env``) with the variables
+    ``srun --nodes 2 --ntasks-per-node 1`` gives it: the master is the node list's first
+    address, the port 20000 + job id % 20000 (addresses: names would need /etc/hosts)."""
+    return _host_env(
+        SLURM_JOB_ID=str(job_id),
+        SLURM_STEP_ID="0",
+        SLURM_PROCID=str(task),
+        SLURM_LOCALID="0",
+        SLURM_NODEID=str(task),
+        SLURM_NTASKS="2",
+        SLURM_STEP_NUM_TASKS="2",
+        SLURM_NTASKS_PER_NODE="1",
+        SLURM_STEP_TASKS_PER_NODE="1(x2)",
+        SLURM_STEP_NODELIST="192.0.2.[1-2]",
+        SLURM_JOB_NODELIST="192.0.2.[1-2]",
+    )
+
+
 def _job(shards: Path, out: Path) -> list[str]:
     """``bertpipe pretrain`` of phase 1 for STEPS steps (8 samples per rank and step)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -305,21 +324,8 @@ def test_srun_environment(
     job = _job(pretrain_shards, tmp_path)
     procs = {}
     for i in range(2):
-        env = _host_env(
-            SLURM_JOB_ID="4242",
-            SLURM_STEP_ID="0",
-            SLURM_PROCID=str(i),
-            SLURM_LOCALID="0",
-            SLURM_NODEID=str(i),
-            SLURM_NTASKS="2",
-            SLURM_STEP_NUM_TASKS="2",
-            SLURM_NTASKS_PER_NODE="1",
-            SLURM_STEP_TASKS_PER_NODE="1(x2)",
-            SLURM_STEP_NODELIST="192.0.2.[1-2]",
-            SLURM_JOB_NODELIST="192.0.2.[1-2]",
-        )
         log = tmp_path / f"host{i}.log"
-        procs[log] = netns_hosts.popen(i, job, env=env, log=log, cwd=tmp_path)
+        procs[log] = netns_hosts.popen(i, job, env=srun_env(i, 4242), log=log, cwd=tmp_path)
     ranks = _wait(netns_hosts, procs)
     _assert_on_two_hosts(ranks, list(procs), "srun", 24242)
     assert _losses(tmp_path) == reference

@@ -23,7 +23,7 @@ import pytest
 from bertpipe.config import to_yaml
 from bertpipe.training import checkpoint as ckpt
 from tests.conftest import free_port, sqlite_uri
-from tests.multihost.test_launch_paths import BIN, MASTER, TIMEOUT_S, _host_env
+from tests.multihost.test_launch_paths import BIN, MASTER, TIMEOUT_S, _host_env, srun_env
 from tests.netns import TestHosts, host_names
 from tests.training.test_crash_faults import _losses_twice_equal
 from tests.training.test_pretrain import _cfg, _env
@@ -74,22 +74,11 @@ def _start_as_srun(
     address, the port 20000 + job id % 20000)."""
     procs = {}
     for i in range(2):
-        env = _host_env(
-            SLURM_JOB_ID=str(job_id),
-            SLURM_STEP_ID="0",
-            SLURM_PROCID=str(i),
-            SLURM_LOCALID="0",
-            SLURM_NODEID=str(i),
-            SLURM_NTASKS="2",
-            SLURM_STEP_NUM_TASKS="2",
-            SLURM_NTASKS_PER_NODE="1",
-            SLURM_STEP_TASKS_PER_NODE="1(x2)",
-            SLURM_STEP_NODELIST="192.0.2.[1-2]",
-            SLURM_JOB_NODELIST="192.0.2.[1-2]",
-        )
         cmd = [str(BIN / "bertpipe"), "pretrain", "--config", str(cfg), "only_phase=phase1",
                "zero.stage=3", f"distributed.peer_timeout_s={PEER_TIMEOUT_S}", *extra]  # fmt: skip
-        procs[i] = hosts.popen(i, cmd, env=env, log=out / f"{tag}-host{i}.log", cwd=out)
+        procs[i] = hosts.popen(
+            i, cmd, env=srun_env(i, job_id), log=out / f"{tag}-host{i}.log", cwd=out
+        )
     return procs
 
 
