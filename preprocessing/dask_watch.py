@@ -8,12 +8,17 @@ was cut in the shard stage, the other worker ran nothing more; the class of dask
 #6263 and #8006). Beam's Dask runner then waits for ever. The watch ends such a job instead:
 when the cluster has had work left and has neither run nor finished a task for
 ``stall_timeout_s`` (by the scheduler: its transition counter did not move, no worker reports
-a task executing), it cancels the job's tasks, and the driver exits with status 75 and one
+a task executing, and every worker holding a task of the job has reported so twice since the
+quiet began), it cancels the job's tasks, and the driver exits with status 75 and one
 line naming the workers the job lost. The output keeps what the job finished, so the same
 command continues it (the tasks it cancelled are released, which frees a worker that waited
 on them).
 
 A task that runs for longer than the timeout does not trip it: a worker reports it executing.
+A worker reports what it executes only in its heartbeats (every 0.5 s on a small cluster, up to
+seconds on a large or loaded one): until a worker holding a task has been heard from since the
+cluster went quiet, the scheduler's "nothing executing" is stale news, not a stall (a task that
+had just started was once taken for a stall on a loaded machine with a 0.5 s bound).
 """
 
 from __future__ import annotations
@@ -38,13 +43,27 @@ class ClusterStalledError(TransientError):
 def _scheduler_state(dask_scheduler: Any) -> dict[str, Any]:
     """Runs on the scheduler: its progress counter, its workers, whether any runs a task and
     how many tasks wait for a worker or run."""
+    from distributed.metrics import time as clock  # the clock of ``last_seen``
+
     waiting = ("processing", "no-worker", "queued", "waiting")
+    workers = dask_scheduler.workers.values()
     return {
         "transitions": dask_scheduler.transition_counter,
-        "workers": {ws.address: str(ws.name) for ws in dask_scheduler.workers.values()},
-        "executing": sum(len(ws.executing) for ws in dask_scheduler.workers.values()),
+        "workers": {ws.address: str(ws.name) for ws in workers},
+        # a worker's last report of what it executes, less what has finished since
+        "executing": sum(ts in ws.processing for ws in workers for ts in ws.executing),
         "unfinished": sum(ts.state in waiting for ts in dask_scheduler.tasks.values()),
+        # when each worker holding a task last reported (its heartbeat), on the scheduler's clock
+        "reported": {ws.address: ws.last_seen for ws in workers if ws.processing},
+        "now": clock(),
+        "worker_ttl": dask_scheduler.worker_ttl or None,  # after which it drops a silent worker
     }
+
+
+HEARD_TWICE = 3
+"""Reports of a worker the watch must have seen before calling a quiet cluster stalled: the
+one it had when the quiet began and two since (a heartbeat composed just before the worker
+received its task arrives after the quiet began, and says nothing about that task)."""
 
 
 def wait_until_finish(result: Any, stall_timeout_s: float) -> None:
@@ -108,6 +127,7 @@ class DaskWatch:
     def _run(self) -> None:
         seen = self._seen
         last_transitions, quiet_since = -1, time.monotonic()
+        heard: dict[str, list[float]] = {}  # worker -> its report times since the quiet began
         while not self._stop.wait(self._poll_s):
             state = self._state()
             if state is None:
@@ -119,10 +139,24 @@ class DaskWatch:
                     log.warning("preprocess: Dask worker %s (%s) left the cluster", name, address)
             seen.update(state["workers"])
             busy = state["executing"] > 0 or state["unfinished"] == 0
+            reported: dict[str, float] = state["reported"]
             if state["transitions"] != last_transitions or busy:
                 last_transitions, quiet_since = state["transitions"], now
+                heard = {address: [when] for address, when in reported.items()}
                 continue
-            if now - quiet_since >= self._timeout_s:
+            for address, when in reported.items():
+                times = heard.setdefault(address, [])
+                if not times or times[-1] != when:
+                    times.append(when)
+            # word is awaited from a worker while Dask deems it alive (it drops one silent for
+            # its worker-ttl, which restarts the quiet); with no ttl, for the watch's bound
+            alive_s = state["worker_ttl"] or self._timeout_s
+            unheard = [
+                address
+                for address, when in reported.items()
+                if len(heard[address]) < HEARD_TWICE and state["now"] - when < alive_s
+            ]
+            if now - quiet_since >= self._timeout_s and not unheard:
                 self.stalled = self._reason(state, now - quiet_since)
                 log.error("%s", self.stalled)
                 try:

@@ -34,6 +34,15 @@ def _slow(seconds: float) -> float:
     return seconds
 
 
+def _reported_executing(dask_scheduler: distributed.Scheduler) -> int:
+    return sum(len(ws.executing) for ws in dask_scheduler.workers.values())
+
+
+def _heartbeats(on: bool, dask_worker: distributed.Worker) -> None:
+    beat = dask_worker.periodic_callbacks["heartbeat"]
+    beat.start() if on else beat.stop()
+
+
 def test_a_task_no_worker_can_run_stops_the_job_naming_the_lost_worker(
     client: distributed.Client,
 ) -> None:
@@ -67,6 +76,28 @@ def test_a_task_running_longer_than_the_bound_is_not_a_stall(client: distributed
     watch.check()  # no error
     assert future.result() == 2.0
     assert watch.stalled is None
+
+
+def test_a_worker_not_heard_from_since_the_quiet_began_is_not_a_stall(
+    client: distributed.Client,
+) -> None:
+    """A worker reports what it executes only in its heartbeats: one that has not reported
+    since its task started (a loaded machine; here its heartbeats are held) leaves the
+    scheduler's "nothing executing" stale; the watch waits for word (until Dask's worker-ttl
+    would drop it) instead of stopping a running job."""
+    deadline = time.monotonic() + 10  # the reports of earlier tests' tasks are cleared
+    while client.run_on_scheduler(_reported_executing) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    client.run(_heartbeats, False)  # on each worker's event loop
+    try:
+        future = client.submit(_slow, 2.0, pure=False)
+        result = dask_runner.DaskRunnerResult(client, [future])
+        with DaskWatch(result, timeout_s=0.5, poll_s=0.1) as watch:
+            result.wait_until_finish()
+    finally:
+        client.run(_heartbeats, True)
+    watch.check()  # no error
+    assert future.result() == 2.0 and watch.stalled is None
 
 
 def test_zero_means_no_watch(client: distributed.Client) -> None:
