@@ -27,10 +27,8 @@ next attempt.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import time
@@ -44,6 +42,7 @@ from bertpipe.config import ConfigError, from_dict, to_dict
 from bertpipe.finetuning.config import FinetuneConfig
 from bertpipe.finetuning.evaluation.config import EvaluateConfig, safe_name
 from bertpipe.finetuning.evaluation.model_source import ModelSource, resolve_model
+from bertpipe.finetuning.evaluation.pool import parallelism, run_pool
 from bertpipe.finetuning.evaluation.scores import SuiteScores, TrialResult, summarise, trial_key
 from bertpipe.finetuning.evaluation.suite import Suite, SuiteTask, check_suite, seq_length
 from bertpipe.finetuning.evaluation.suite import load_suite as _load_suite
@@ -314,63 +313,15 @@ def run_trial(step: TrialStep) -> dict[str, Any]:
     return payload
 
 
-def _worker_init(threads: int, devices: Any, level: int) -> None:
-    """A trial worker: a one-process job of its own (not the launcher's job the suite may
-    have been started in), its threads, its GPU (one each), the parent's log level."""
-    import socket
-
-    from bertpipe.logs import setup_logging
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    if devices is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(devices.get())
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    import torch
-
-    torch.set_num_threads(threads)
-    setup_logging(logging.getLevelName(level))
-
-
 # --------------------------------------------------------------------------- parallelism
-
-
-def _devices() -> int:
-    """GPUs this process can use (0 on CPU)."""
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    return accelerator.device_count() if accelerator.device_name() == "cuda" else 0
-
-
-def _parallelism(cfg: EvaluateConfig, pending: int) -> tuple[int, int, int]:
-    """(processes, threads per trial, GPUs): ``parallel`` or one per GPU, else one per 4
-    cores; never more processes than pending trials."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    cores = cores or 1
-    gpus = _devices()
-    processes = cfg.parallel or (gpus if gpus else max(1, cores // 4))
-    if gpus and processes > gpus:
-        raise ConfigError("parallel", f"{processes} trials at once need a GPU each: {gpus} here")
-    processes = max(1, min(processes, pending))
-    threads = cfg.threads_per_trial or max(1, cores // processes)
-    return processes, threads, gpus
 
 
 def _run_steps(
     cfg: EvaluateConfig, steps: list[TrialStep], done: Callable[[dict[str, Any]], None]
 ) -> None:
-    """Run ``steps`` in order, in this process or in a pool; ``done`` sees each result."""
-    processes, threads, gpus = _parallelism(cfg, len(steps))
+    """Run ``steps`` in order, in this process or in worker processes
+    (:mod:`~bertpipe.finetuning.evaluation.pool`); ``done`` sees each result."""
+    processes, threads, gpus = parallelism(cfg.parallel, cfg.threads_per_trial, len(steps))
     if processes == 1:
         import torch
 
@@ -380,24 +331,7 @@ def _run_steps(
             done(run_trial(step))
         return
     log.info("evaluate: %d trials, %d at a time, %d threads each", len(steps), processes, threads)
-    context = multiprocessing.get_context("spawn")
-    devices = None
-    if gpus:
-        devices = context.Queue()
-        for i in range(processes):
-            devices.put(i)
-    level = logging.getLogger("bertpipe").getEffectiveLevel()
-    with concurrent.futures.ProcessPoolExecutor(
-        processes, mp_context=context, initializer=_worker_init, initargs=(threads, devices, level)
-    ) as pool:
-        futures = [pool.submit(run_trial, step) for step in steps]
-        try:
-            for future in futures:  # in order: the first failure is the one reported
-                done(future.result())
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+    run_pool(run_trial, steps, done, processes, threads, gpus)
 
 
 # --------------------------------------------------------------------------- the suite
@@ -409,7 +343,8 @@ def run_suite(cfg: EvaluateConfig) -> SuiteResult:
     suite = load_checked_suite(cfg)
     output = Path(default_output(cfg, suite)).resolve()
     steps_of = plan_trials(cfg, suite)
-    with held(str(output), "bertpipe evaluate", LEASE_TIMEOUT_S):
+    # a SIGTERM raises Terminated (exit 143 once the trials stopped), tracked or not
+    with tracking.terminated_raises(), held(str(output), "bertpipe evaluate", LEASE_TIMEOUT_S):
         state = _open_folder(output, _record(cfg, suite), cfg.overwrite)
         uri = cfg.tracking.resolved_uri() if cfg.tracking.enabled else None
         model = resolve_model(cfg.model, output, uri)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["PREEMPTED_EXIT_CODE", "Cadence", "Due", "PreemptedError", "StopFlag"]
+__all__ = ["PREEMPTED_EXIT_CODE", "Cadence", "Due", "PreemptedError", "SigtermLatch", "StopFlag"]
 
 PREEMPTED_EXIT_CODE = 143
 """128 + SIGTERM: what schedulers expect of a job that stopped because it was told to."""
@@ -25,6 +25,19 @@ PREEMPTED_EXIT_CODE = 143
 
 class PreemptedError(Exception):
     """The run was asked to stop (SIGTERM) and saved a checkpoint."""
+
+
+class SigtermLatch:
+    """A SIGTERM handler that remembers the signal, for a process that runs one run after
+    another (a suite's trial worker): a :class:`StopFlag` installed over it starts requested
+    when it fired (a SIGTERM while the run was starting is not lost), and hands back a SIGTERM
+    it got itself when uninstalled."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.received = True
 
 
 class StopFlag:
@@ -36,8 +49,12 @@ class StopFlag:
 
     def install(self) -> None:
         self._previous = signal.signal(signal.SIGTERM, self._handler)
+        if isinstance(self._previous, SigtermLatch) and self._previous.received:
+            self.requested = True
 
     def uninstall(self) -> None:
+        if isinstance(self._previous, SigtermLatch) and self.requested:
+            self._previous.received = True
         signal.signal(signal.SIGTERM, self._previous or signal.SIG_DFL)
 
     def __enter__(self) -> StopFlag:
