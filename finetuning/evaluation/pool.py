@@ -11,6 +11,7 @@ handler: :class:`~bertpipe.training.core.cadence.StopFlag`; a SIGTERM that came 
 trial was starting is handed to it by :class:`~bertpipe.training.core.cadence.SigtermLatch`)
 and ends when the trial returns; a worker between trials ends at once. The suite passes the
 signal on to its workers, so a SIGTERM sent to the suite's process alone stops the trials too.
+Ctrl-C does the same (workers ignore SIGINT; the suite sends them a SIGTERM) and exits 130.
 ``concurrent.futures`` alone hangs here: a worker that dies between trials breaks the pool, the
 pool signals the other workers and waits for them, and one that has saved its stopped trial
 then waits for its next trial for ever (seen in CI, reproduced in
@@ -86,6 +87,9 @@ def _worker_init(threads: int, devices: Any, level: int) -> None:
     """A trial worker: its SIGTERM handler, a one-process job of its own, its threads, its GPU
     (one each), the parent's log level."""
     signal.signal(signal.SIGTERM, _sigterm)
+    # Ctrl-C reaches the whole foreground group: the suite turns it into a SIGTERM for its
+    # workers (a checkpoint at the next step) instead of a KeyboardInterrupt anywhere in them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import socket
 
     from bertpipe.logs import setup_logging
@@ -164,8 +168,9 @@ def run_pool(
             futures.extend(pool.submit(_in_worker, trial, step) for step in steps)
             for future in futures:  # in order: the first failure is the one reported
                 done(future.result())
-        except Terminated:
-            log.warning("evaluate: SIGTERM: the trials in progress stop at their next step")
+        except KeyboardInterrupt as stop:  # SIGTERM (Terminated) or Ctrl-C
+            why = "SIGTERM" if isinstance(stop, Terminated) else "interrupted"
+            log.warning("evaluate: %s: the trials in progress stop at their next step", why)
             _stop_workers(futures, workers())
             raise
         except BrokenProcessPool:

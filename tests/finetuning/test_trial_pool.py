@@ -108,6 +108,19 @@ def test_a_sigterm_to_the_suites_process_alone_stops_its_trials(tmp_path: Path) 
     assert _started(tmp_path) == {0, 1}
 
 
+def test_ctrl_c_stops_the_trials_with_their_checkpoints(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal (SIGINT to the foreground group): the workers ignore it, the suite
+    passes a SIGTERM on, the training trial saves, exit 130 with one line, no traceback."""
+    suite = Suite(tmp_path, ["long", "quick", "quick"])
+    suite.wait_for("0.started", "1.finished", "2.finished")
+    os.killpg(suite.proc.pid, signal.SIGINT)
+    status, stderr = suite.ended()
+    assert status == 130, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1] == "bertpipe: interrupted", stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert (tmp_path / "0.checkpoint").exists()
+
+
 def test_a_killed_worker_fails_the_suite_with_one_line_after_the_other_saves(
     tmp_path: Path,
 ) -> None:

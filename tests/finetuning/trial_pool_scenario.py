@@ -1,7 +1,8 @@
 """A suite's trial pool (:func:`bertpipe.finetuning.evaluation.pool.run_pool`) on stand-in
 trials, as ``bertpipe evaluate`` runs it, for ``tests/finetuning/test_trial_pool.py``: ``python
 -m tests.finetuning.trial_pool_scenario FOLDER KIND...`` runs one trial per KIND, two at a
-time, and exits as the command line does (143 on SIGTERM, 75 and one line for a lost worker).
+time, and exits as the command line does (143 on SIGTERM, 130 on Ctrl-C, 75 and one line for a
+lost worker).
 
 A ``long`` trial trains (sleeps) under the real :class:`~bertpipe.training.core.cadence.
 StopFlag` until a SIGTERM, then writes its checkpoint and stops with ``PreemptedError``, as a
@@ -51,6 +52,9 @@ def main(folder: Path, kinds: list[str]) -> int:
     except Terminated:
         print("bertpipe: terminated (SIGTERM)", file=sys.stderr)
         return TERMINATED_EXIT_CODE
+    except KeyboardInterrupt:
+        print("bertpipe: interrupted", file=sys.stderr)
+        return 130
     except TransientError as error:
         print(f"bertpipe: error: {error}", file=sys.stderr)
         return error.exit_code
