@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bertpipe import __version__
 from bertpipe.cli_args import add_global_options
@@ -97,13 +97,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(args_list)
     setup_logging(args.log_level)
+    return exit_status(lambda: args.handler(args, passthrough), show_traceback=args.traceback)
+
+
+def exit_status(run: Callable[[], int | None], show_traceback: bool = False) -> int:
+    """``run()``'s exit status as the command line gives it: bad input one line and 2 (74 a
+    full disk, 75 what a rerun may fix), SIGTERM 143, Ctrl-C 130; a bug keeps its traceback
+    (every error does with ``show_traceback``)."""
     try:
-        return int(args.handler(args, passthrough) or 0)
+        return int(run() or 0)
     except Exception as exc:
         from bertpipe.storage_check import describe  # storage refusals s3fs raised raw
 
         shown = describe(exc) if not isinstance(exc, BertpipeError) else None
-        if args.traceback or (
+        if show_traceback or (
             shown is None
             and not isinstance(exc, (BertpipeError, FileNotFoundError, FileExistsError))
         ):

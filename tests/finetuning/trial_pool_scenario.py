@@ -1,8 +1,8 @@
 """A suite's trial pool (:func:`bertpipe.finetuning.evaluation.pool.run_pool`) on stand-in
 trials, as ``bertpipe evaluate`` runs it, for ``tests/finetuning/test_trial_pool.py``: ``python
 -m tests.finetuning.trial_pool_scenario FOLDER KIND...`` runs one trial per KIND, two at a
-time, and exits as the command line does (143 on SIGTERM, 130 on Ctrl-C, 75 and one line for a
-lost worker).
+time, and exits as the command line does (its exit_status: 143 on SIGTERM, 130 on Ctrl-C, 75
+and one line for a lost worker).
 
 A ``long`` trial trains (sleeps) under the real :class:`~bertpipe.training.core.cadence.
 StopFlag` until a SIGTERM, then writes its checkpoint and stops with ``PreemptedError``, as a
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bertpipe.errors import TERMINATED_EXIT_CODE, Terminated, TransientError
+from bertpipe.app.cli import exit_status
 from bertpipe.finetuning.evaluation.pool import run_pool
 from bertpipe.tracking import terminated_raises
 from bertpipe.training.core.cadence import PreemptedError, StopFlag
@@ -46,19 +46,12 @@ def trial(step: dict[str, Any]) -> dict[str, Any]:
 
 def main(folder: Path, kinds: list[str]) -> int:
     steps = [{"folder": str(folder), "index": i, "kind": k} for i, k in enumerate(kinds)]
-    try:
+
+    def suite() -> None:
         with terminated_raises():
             run_pool(trial, steps, lambda result: None, processes=2, threads=1, gpus=0)
-    except Terminated:
-        print("bertpipe: terminated (SIGTERM)", file=sys.stderr)
-        return TERMINATED_EXIT_CODE
-    except KeyboardInterrupt:
-        print("bertpipe: interrupted", file=sys.stderr)
-        return 130
-    except TransientError as error:
-        print(f"bertpipe: error: {error}", file=sys.stderr)
-        return error.exit_code
-    return 0
+
+    return exit_status(suite)  # the command line's lines and statuses
 
 
 if __name__ == "__main__":
