@@ -16,8 +16,10 @@ import datetime
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +50,7 @@ __all__ = [
     "build_engine",
     "deepspeed_config",
     "engine_spec",
+    "import_deepspeed",
     "init_distributed",
 ]
 
@@ -64,6 +67,30 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+def import_deepspeed() -> ModuleType:
+    """``import deepspeed``, without the MLflow import DeepSpeed makes on the way.
+
+    DeepSpeed's package import reaches ``deepspeed.autotuning.autotuner``, which imports MLflow
+    if it is installed, for the experiment logging of DeepSpeed's autotuner (the launcher's
+    ``--autotuning``, which runs in the launcher's process, not in the ranks): ~2 s of CPU in
+    every rank, those that log nothing included (all but rank 0). A ``None`` in
+    ``sys.modules`` makes that optional import fail as if MLflow were absent (Python's
+    documented way to block an import); it is removed as soon as DeepSpeed is imported, so
+    bertpipe's tracking imports MLflow where it logs, as before.
+    """
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        import deepspeed
+
+        return deepspeed
+    sys.modules["mlflow"] = None  # type: ignore[assignment]
+    try:
+        import deepspeed
+    finally:
+        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
+    return deepspeed
 
 
 def _free_port() -> int:
@@ -88,7 +115,7 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
             launch = dataclasses.replace(launch, master_port=_free_port())
         os.environ.update(launch.variables())
         log.info("%s", launch.describe())
-    import deepspeed
+    deepspeed = import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -256,7 +283,7 @@ def build_engine(model: nn.Module, spec: EngineSpec) -> tuple[Any, dict[str, Any
     checkpoint loading (the non-finite guard is the step's:
     :class:`bertpipe.training.core.step.OptimizerStep`).
     """
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     config = spec.ds_config()
     optimizer = build_optimizer(
