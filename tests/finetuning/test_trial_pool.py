@@ -29,6 +29,10 @@ BOUND_S = 90.0
 for the suite to end after its signal."""
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Suite:
     """``trial_pool_scenario FOLDER KIND...`` in a session of its own."""
 
@@ -40,6 +44,9 @@ class Suite:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            # as in a terminal, where Ctrl-C reaches a foreground command: pytest started in
+            # the background of a script (`pytest &`, nohup) passes SIGINT on ignored
+            preexec_fn=_sigint_default,
         )
 
     def wait_for(self, *markers: str) -> None:
