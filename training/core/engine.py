@@ -51,6 +51,7 @@ __all__ = [
     "deepspeed_config",
     "engine_spec",
     "import_deepspeed",
+    "import_deepspeed_muon_uncompiled",
     "init_distributed",
 ]
 
@@ -91,6 +92,43 @@ def import_deepspeed() -> ModuleType:
         if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
             del sys.modules["mlflow"]
     return deepspeed
+
+
+# DeepSpeed's Muon optimizer: bertpipe does not offer it, but every ZeRO engine imports it (to ask
+# ``isinstance(optimizer, MuonWithAuxAdam)``), and its module decorates three kernels with
+# ``torch.compile`` at import, which imports TorchInductor for them.
+_DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def import_deepspeed_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer with its ``torch.compile`` decorators as no-ops.
+
+    Every DeepSpeed engine under ZeRO (its support check, the stage 1/2 and 3 optimizers, the
+    bf16 optimizer) imports ``deepspeed.runtime.zero.muon.muon_optimizer`` to test whether the
+    client optimizer is Muon. That module's kernels are decorated with ``torch.compile``,
+    and decorating looks up the Inductor backend: ~2 s of CPU importing TorchInductor in every
+    rank, for kernels that run only for Muon, which bertpipe never builds (its optimizers are
+    AdamW and LAMB). ``TORCHDYNAMO_DISABLE=1``, read by ``torch.compile`` when it decorates,
+    turns those three decorators into no-ops for this one import and is restored at once; a
+    model compiled later (``model.compile``) is compiled as before. Nothing happens when the
+    module is already imported (a user's own code may use Muon, compiled) or does not exist
+    (another DeepSpeed version).
+    """
+    if _DEEPSPEED_MUON in sys.modules:
+        return
+    import importlib
+
+    previous = os.environ.get("TORCHDYNAMO_DISABLE")
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        importlib.import_module(_DEEPSPEED_MUON)
+    except ImportError:
+        pass
+    finally:
+        if previous is None:
+            del os.environ["TORCHDYNAMO_DISABLE"]
+        else:
+            os.environ["TORCHDYNAMO_DISABLE"] = previous
 
 
 def _free_port() -> int:
@@ -284,6 +322,7 @@ def build_engine(model: nn.Module, spec: EngineSpec) -> tuple[Any, dict[str, Any
     :class:`bertpipe.training.core.step.OptimizerStep`).
     """
     deepspeed = import_deepspeed()
+    import_deepspeed_muon_uncompiled()
 
     config = spec.ds_config()
     optimizer = build_optimizer(
