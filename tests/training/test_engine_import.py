@@ -39,7 +39,9 @@ _CHECK = textwrap.dedent(
     # a one-rank group on a file store: no port to race the suite's other jobs for
     store = tempfile.mktemp(prefix="bertpipe-engine-import-")
     os.environ["LOCAL_RANK"] = "0"
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     spec = EngineSpec(
         micro_batch_size=2, global_batch_size=2, world_size=1, zero=ZeroConfig(stage=2),
