@@ -153,7 +153,8 @@ def _check_rank(launcher: str, rank_var: str, rank: int, size_var: str, size: in
 
 
 def _single(env: Mapping[str, str], launcher: str) -> Launch:
-    """Rank 0 of 1: the environment's MASTER_ADDR/PORT if set, else 127.0.0.1 and a free port."""
+    """Rank 0 of 1: the environment's MASTER_ADDR/PORT if set, else 127.0.0.1 and a port
+    chosen when the store binds it (:func:`bertpipe.training.core.engine.init_distributed`)."""
     return Launch(
         launcher=launcher,
         rank=0,

@@ -90,21 +90,15 @@ def _worker_init(threads: int, devices: Any, level: int) -> None:
     # Ctrl-C reaches the whole foreground group: the suite turns it into a SIGTERM for its
     # workers (a checkpoint at the next step) instead of a KeyboardInterrupt anywhere in them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import socket
-
     from bertpipe.logs import setup_logging
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # a one-process job of its own, whatever launcher started the suite: no MASTER_PORT, so
+    # init_distributed's store binds a port the kernel assigns (workers start together: a
+    # port found free beforehand could be taken by the other worker first)
     os.environ.update(
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"
     )
+    os.environ.pop("MASTER_PORT", None)
     if devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(devices.get())
     os.environ["OMP_NUM_THREADS"] = str(threads)

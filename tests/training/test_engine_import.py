@@ -77,3 +77,51 @@ def test_a_rank_imports_neither_mlflow_with_deepspeed_nor_inductor_for_muon() ->
         [sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=300
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+_TAKEN_PORT = textwrap.dedent(
+    """
+    import socket
+
+    import torch
+    from bertpipe.training.core.engine import init_distributed
+
+    # another process takes any port this one asked the kernel for (bind to port 0) the moment
+    # this one closes that socket: what a "free port" found beforehand can meet on a busy host
+    bind, close, asked, taken = socket.socket.bind, socket.socket.close, set(), []
+
+    def bind_noting(self, address):
+        bind(self, address)
+        if address[1] == 0:
+            asked.add(id(self))
+
+    def close_then_taken(self):
+        address = self.getsockname() if id(self) in asked else None
+        close(self)
+        if address is not None:
+            other = socket.socket()
+            other.bind(address)
+            other.listen()
+            taken.append(other)
+
+    socket.socket.bind, socket.socket.close = bind_noting, close_then_taken
+    info = init_distributed(timeout_minutes=1)
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total)
+    assert info.world_size == 1 and total.item() == 1.0 and not taken, taken
+    print("ok")
+    """
+)
+
+
+def test_a_one_process_job_keeps_the_port_its_store_binds() -> None:
+    """A one-process run (no launcher, no MASTER_PORT) forms its group on a store that binds a
+    port the kernel assigns, not on a port found free beforehand: one-process runs started
+    together (an evaluation's trial workers) cannot take each other's."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", _TAKEN_PORT], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]

@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,26 +130,25 @@ def import_deepspeed_muon_uncompiled() -> None:
             os.environ["TORCHDYNAMO_DISABLE"] = previous
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     """Join the job started by a launcher, or form a one-process job when run directly.
 
     :func:`bertpipe.launch.detect_launch` reads the launcher's environment: RANK/WORLD_SIZE
     (the ``deepspeed`` launcher, torchrun), MPI (``mpirun``: OpenMPI, MPICH, Intel MPI), SLURM
-    (``srun`` with one task per GPU), else this process is rank 0 of 1 on a free local port.
-    An environment showing several tasks but no rank for this one raises
-    :class:`~bertpipe.launch.LaunchError` before DeepSpeed is imported. NCCL on GPUs, gloo on
-    CPU.
+    (``srun`` with one task per GPU), else this process is rank 0 of 1. A one-process job
+    with no MASTER_PORT gets its rendezvous store on a port the kernel assigns as the store
+    binds it, so one-process runs started together (a sweep's or an evaluation's trials on one
+    machine) never race for a port found free a moment earlier. An environment showing
+    several tasks but no rank for this one raises :class:`~bertpipe.launch.LaunchError`
+    before DeepSpeed is imported. NCCL on GPUs, gloo on CPU.
     """
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store = None
     if not dist.is_initialized():  # else already in the job (called again in one process)
         launch = detect_launch(os.environ)
-        if launch.master_port is None:  # one process: any free port
-            launch = dataclasses.replace(launch, master_port=_free_port())
+        if launch.master_port is None:  # one process: the store binds a port and keeps it
+            store = dist.TCPStore(launch.master_addr, 0, 1, is_master=True, timeout=timeout)
+            launch = dataclasses.replace(launch, master_port=store.port)
         os.environ.update(launch.variables())
         log.info("%s", launch.describe())
     deepspeed = import_deepspeed()
@@ -159,10 +157,10 @@ def init_distributed(timeout_minutes: int = 30) -> DistInfo:
     accelerator = get_accelerator()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend=accelerator.communication_backend_name(),
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        backend = accelerator.communication_backend_name()
+        if store is not None:  # DeepSpeed adopts a process group made beforehand
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     if accelerator.device_name() == "cuda":
         # srun --gpus-per-task=1 (or --gpu-bind) leaves each task one visible GPU: index 0
         index = local_rank % max(1, torch.cuda.device_count())
