@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from bertpipe.config import load_config
 from bertpipe.preprocessing.config import PreprocessConfig
 from bertpipe.preprocessing.run import prepare, run_preprocess
 from bertpipe.preprocessing.shard_format import read_shard
+from tests.cli_runner import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -144,12 +144,9 @@ def test_bad_input_is_counted_and_inputs_untouched(
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "bertpipe.app.cli", *args],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    """``bertpipe ARGS``: its exit status and output as a child's, run in this process (no
+    signal or launcher is involved: a child would only add its imports)."""
+    return run_cli(list(args))
 
 
 def test_clear_errors_before_any_work(
