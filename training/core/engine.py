@@ -93,9 +93,6 @@ def import_deepspeed() -> ModuleType:
     return deepspeed
 
 
-# DeepSpeed's Muon optimizer: bertpipe does not offer it, but every ZeRO engine imports it (to ask
-# ``isinstance(optimizer, MuonWithAuxAdam)``), and its module decorates three kernels with
-# ``torch.compile`` at import, which imports TorchInductor for them.
 _DEEPSPEED_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
 
 
